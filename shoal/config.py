@@ -1,0 +1,43 @@
+"""Engine configuration: one plain dataclass, validated once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shoal.errors import InvalidRequestError
+
+GiB = 1 << 30
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    """Limits of the batch (design input 000's BatchConstraints, vLLM's scheduler knobs).
+
+    `kv_cache_bytes` is turned into a block count once the model's per-token KV size is known;
+    `num_blocks` overrides it (tests use tiny pools to force preemption).
+    """
+
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_bytes: int = 4 * GiB
+    num_blocks: int | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None
+    min_batch_size: int = 1
+    batch_wait_s: float = 0.005
+    enable_prefix_caching: bool = True
+    max_waiting: int = 100_000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise InvalidRequestError("block_size must be positive")
+        if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:
+            raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.min_batch_size < 1 or self.batch_wait_s < 0:
+            raise InvalidRequestError("min_batch_size must be >= 1 and batch_wait_s >= 0")
+        if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
+            raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")

@@ -1,0 +1,40 @@
+"""Incremental detokenization with stop strings.
+
+Text is released only when it is final: a tail that could still grow into a stop string, or
+an unfinished UTF-8 character, is held back until the next token decides it. So streamed
+text never has to be taken back.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.engine.sequence import Sequence
+
+
+class Detokenizer:
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def update(self, seq: Sequence, finishing: bool) -> bool:
+        """Refresh `seq.text`; True if a stop string was hit (the text is cut before it)."""
+        if self.tokenizer is None:
+            return False
+        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        stops = seq.params.stop_strings
+        if stops:
+            start = max(0, len(seq.text) - max(len(s) for s in stops))
+            hits = [i for i in (full.find(s, start) for s in stops) if i >= 0]
+            if hits:
+                seq.text = full[: min(hits)]
+                return True
+        if finishing:
+            seq.text = full
+            return False
+        hold = max((len(s) - 1 for s in stops), default=0)
+        end = len(full) - hold
+        while end > len(seq.text) and full[end - 1] == "\ufffd":
+            end -= 1
+        if end > len(seq.text):
+            seq.text = full[:end]
+        return False

@@ -1,0 +1,99 @@
+"""Runs one scheduled batch through the model: inputs, attention metadata, logits, samples."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from shoal.engine.sampler import Sampled, sample
+from shoal.engine.scheduler import ScheduledBatch
+from shoal.engine.sequence import Sequence
+from shoal.layers.attention import AttentionMetadata, PrefillChunk
+from shoal.models.llama import LlamaForCausalLM
+
+
+class ModelRunner:
+    def __init__(
+        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str
+    ) -> None:
+        self.model = model.to(device).eval()
+        self.block_size = block_size
+        self.device = torch.device(device)
+        cfg = model.config
+        dtype = model.embed_tokens.dtype
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        for layer in model.layers:
+            attn = layer.self_attn
+            attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+            attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+
+    def _tensor(self, values: list[int] | np.ndarray) -> torch.Tensor:
+        return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
+
+    def _prepare(
+        self, batch: ScheduledBatch
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+        bs = self.block_size
+        # Single-token queries (decodes) first: they share one padded, batched attention call.
+        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
+        ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
+        prefills: list[PrefillChunk] = []
+        logit_rows: list[int] = []
+        sampled_seqs: list[Sequence] = []
+        for i in order:
+            seq, start, n = batch.seqs[i], batch.starts[i], batch.num_new_tokens[i]
+            end = start + n
+            q_start = len(ids)
+            ids += seq.tokens_slice(start, end)
+            pos = np.arange(start, end)
+            table = np.asarray(seq.block_table)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            num_blocks = -(-end // bs)
+            if n == 1:
+                decode_tables.append(seq.block_table[:num_blocks])
+                decode_lens.append(end)
+            else:
+                mask = None
+                if start > 0:
+                    key_pos = torch.arange(end, device=self.device)
+                    query_pos = torch.arange(start, end, device=self.device)
+                    mask = key_pos[None, :] <= query_pos[:, None]
+                prefills.append(
+                    PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks]), mask)
+                )
+            if end == seq.num_tokens:
+                logit_rows.append(q_start + n - 1)
+                sampled_seqs.append(seq)
+
+        decode_block_tables = decode_mask = None
+        if decode_tables:
+            width = max(len(t) for t in decode_tables)
+            padded = np.zeros((len(decode_tables), width), dtype=np.int64)
+            for r, t in enumerate(decode_tables):
+                padded[r, : len(t)] = t
+            decode_block_tables = self._tensor(padded)
+            key_pos = torch.arange(width * bs, device=self.device)
+            decode_mask = (key_pos[None, :] < self._tensor(decode_lens)[:, None])[:, None, None, :]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(np.concatenate(slots)),
+            num_decodes=len(decode_tables),
+            decode_block_tables=decode_block_tables,
+            decode_mask=decode_mask,
+            prefills=prefills,
+        )
+        return self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logit_rows, sampled_seqs
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
+        """Run the batch; return the sequences that reached their end and a token for each."""
+        input_ids, positions, meta, rows, seqs = self._prepare(batch)
+        hidden = self.model(input_ids, positions, meta)
+        if not seqs:
+            return [], Sampled([], None, None)
+        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        return seqs, sample(logits, seqs)

@@ -1,0 +1,57 @@
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shoal.engine.sequence import Sequence
+
+
+@dataclass(slots=True)
+class Sampled:
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+
+
+def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
+    p = seq.params
+    logits = logits / p.temperature
+    if p.top_k > 0 and p.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, p.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if p.min_p > 0:
+        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
+    if p.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        cumulative = sorted_probs.cumsum(-1)
+        drop = cumulative - sorted_probs > p.top_p  # keep the smallest set reaching top_p
+        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
+    return probs
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
+    """One token per row. A seeded request draws from its own generator, so its output does
+    not depend on what else shares the batch."""
+    tokens = logits.argmax(dim=-1)
+    for i, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            probs = _filter(logits[i].float(), seq)
+            tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
+    token_ids = tokens.tolist()
+    if all(s.params.logprobs is None for s in seqs):
+        return Sampled(token_ids, None, None)
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
+    top: list[dict[int, float]] = []
+    for i, seq in enumerate(seqs):
+        k = seq.params.logprobs or 0
+        if k:
+            values, ids = torch.topk(logprobs[i], k)
+            top.append(dict(zip(ids.tolist(), values.tolist(), strict=True)))
+        else:
+            top.append({})
+    return Sampled(token_ids, chosen, top)

@@ -1,0 +1,142 @@
+"""Iteration-level scheduling with one token budget per step (vLLM v1's design).
+
+There is no prefill phase and no decode phase: every request's `num_computed_tokens` chases
+its `num_tokens`. Each step first serves running requests (a decode costs one token, an
+unfinished prefill takes a chunk of what is left), then admits waiting ones in
+(priority, arrival) order while the budget, `max_num_seqs` and free blocks allow. When a
+running request needs a block and none is free, the lowest-priority, newest running request
+is preempted: its blocks are freed (its cached prefix usually survives) and it goes back to
+the queue at its original place, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from shoal.config import EngineConfig
+from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledBatch:
+    """What one step computes: for each sequence, `num_new_tokens` from position `starts`."""
+
+    step_id: int
+    seqs: list[Sequence] = field(default_factory=list)
+    starts: list[int] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int) -> None:
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._order: dict[int, tuple[int, int]] = {}  # id(seq) -> (priority, arrival number)
+        self._arrivals = itertools.count()
+        self.step_id = 0
+        self.num_preemptions = 0
+
+    # -- queue management -------------------------------------------------------------
+    def _key(self, seq: Sequence) -> tuple[int, int]:
+        return self._order[id(seq)]
+
+    def add(self, seq: Sequence) -> None:
+        self._order[id(seq)] = (seq.priority, next(self._arrivals))
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    def __len__(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """Take `seq` out of the batch and give its blocks back, in the same step."""
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        del self._order[id(seq)]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        bisect.insort(self.waiting, seq, key=self._key)
+
+    # -- the step ----------------------------------------------------------------------
+    def should_wait_for_batch(self, now: float) -> float:
+        """Seconds to hold off so a nearly idle engine can gather `min_batch_size` arrivals.
+
+        Bounded by `batch_wait_s` from the oldest arrival: a lone request is never stalled.
+        """
+        if self.running or not self.waiting or len(self.waiting) >= self.config.min_batch_size:
+            return 0.0
+        oldest = min(s.arrival_time for s in self.waiting)
+        return max(0.0, oldest + self.config.batch_wait_s - now)
+
+    def schedule(self) -> ScheduledBatch:
+        self.step_id += 1
+        batch = ScheduledBatch(self.step_id)
+        if self.should_wait_for_batch(time.monotonic()) > 0:
+            return batch
+        budget = self.config.max_num_batched_tokens
+        planned: list[tuple[Sequence, int]] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.kv.allocate(seq, n):
+                victim = self.running[-1]  # sorted by (priority, arrival): the newest, least urgent
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            else:
+                planned.append((seq, n))
+                budget -= n
+                i += 1
+
+        if not batch.preempted:
+            j = 0
+            while j < len(self.waiting) and budget > 0:
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
+                seq = self.waiting[j]
+                hits = self.kv.find_cached_prefix(seq)
+                n = min(seq.num_tokens - len(hits) * self.kv.block_size, budget)
+                if not self.kv.allocate(seq, n, hits):
+                    break  # keep FIFO: a later request may not jump ahead for memory
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
+                    self.kv.record_admission(seq, seq.num_computed_tokens)
+                del self.waiting[j]
+                seq.status = SequenceStatus.RUNNING
+                bisect.insort(self.running, seq, key=self._key)
+                planned.append((seq, n))
+                budget -= n
+
+        for seq, n in planned:
+            batch.seqs.append(seq)
+            batch.starts.append(seq.num_computed_tokens)
+            batch.num_new_tokens.append(n)
+            seq.num_computed_tokens += n
+        return batch

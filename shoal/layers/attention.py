@@ -1,0 +1,83 @@
+"""Paged attention over a block-structured KV cache, in plain PyTorch.
+
+The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step writes the
+new keys and values to their slots, then every query attends to its own sequence's blocks:
+decodes as one padded batch gathered by block table, prefill chunks one sequence at a time
+(with a causal mask offset by the tokens already cached).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillChunk:
+    """Query rows `[q_start, q_start + q_len)` of one sequence with `context_len` keys in all."""
+
+    q_start: int
+    q_len: int
+    context_len: int
+    block_ids: torch.Tensor  # blocks covering the context
+    mask: torch.Tensor | None  # None: nothing cached before the chunk, plain causal attention
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
+    num_decodes: int  # the first rows of the batch are single-token decodes
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    out = torch.empty_like(q)
+    heads = q.shape[1]
+
+    b = meta.num_decodes
+    if b:
+        assert meta.decode_block_tables is not None and meta.decode_mask is not None
+        keys = k_cache[meta.decode_block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        values = v_cache[meta.decode_block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+        out[:b] = F.scaled_dot_product_attention(
+            q[:b].unsqueeze(2),
+            keys,
+            values,
+            attn_mask=meta.decode_mask.expand(b, heads, 1, -1),
+            scale=scale,
+            enable_gqa=True,
+        ).squeeze(2)
+
+    for chunk in meta.prefills:
+        rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
+        if chunk.mask is None:
+            keys, values = k[rows], v[rows]
+        else:
+            keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
+            values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
+        out[rows] = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=chunk.mask,
+            is_causal=chunk.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(0, 1)
+    return out

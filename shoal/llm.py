@@ -1,0 +1,107 @@
+"""`LLM`: the offline, vLLM-shaped entry point over the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.progress import Progress
+
+from shoal.config import EngineConfig
+from shoal.engine.llm_engine import Engine, EngineStats
+from shoal.errors import InvalidRequestError
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """Load a model and generate for many prompts at once with continuous batching.
+
+    `model=None` loads the bundled SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf path.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, dtype: str = "float32", block_size: int = 16, **kw: Any
+    ) -> None:
+        self.engine = Engine(EngineConfig(model=model, dtype=dtype, block_size=block_size, **kw))
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in prompt order."""
+        if isinstance(prompts, str) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompt_list = list(prompts)  # type: ignore[arg-type]
+        if params is None or isinstance(params, SamplingParams):
+            param_list = [params or SamplingParams()] * len(prompt_list)
+        else:
+            param_list = list(params)
+            if len(param_list) != len(prompt_list):
+                raise InvalidRequestError("give one SamplingParams, or one per prompt")
+        return self._run(prompt_list, param_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | Sequence[list[Message]],
+        params: SamplingParams | None = None,
+        *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation (or several) and generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        return self.generate(prompts, params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message]) -> list[int]:
+        tok = self.engine.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.engine.encode(text)
+
+    def _run(
+        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | None
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        results: dict[str, RequestOutput] = {}
+        show = use_tqdm if use_tqdm is not None else len(ids) >= 8
+        with Progress(disable=not show, transient=True) as progress:
+            task = progress.add_task("generating", total=len(ids))
+            try:
+                while len(results) < len(ids):
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            progress.advance(task)
+            except BaseException:
+                for request_id in ids:
+                    engine.abort(request_id)
+                engine.step()
+                raise
+        return [results[i] for i in ids]
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

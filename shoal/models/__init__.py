@@ -1,0 +1,1 @@
+"""Model definitions and loaders (HF folders, GGUF files, the bundled SmolLM2)."""
