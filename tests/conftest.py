@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random-weight HF model folders, built once per session.
+
+`tiny_model_dir(kind)` returns a folder `LLM(str(path), dtype="float64")` can load. The folders
+hold no tokenizer, so prompts are lists of token ids. Weights come from `torch.manual_seed(0)`
+and are saved in float64, where ties between logits are practically impossible, so greedy
+decoding is deterministic and comparable token for token with transformers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TINY_VOCAB = 320
+TINY_MAX_POSITIONS = 512
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": TINY_VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": TINY_MAX_POSITIONS,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 0,
+    # Wide weights keep the random model from just echoing its input (with the default 0.02
+    # a tied model repeats the last prompt token forever, which would test nothing).
+    "initializer_range": 0.4,
+}
+
+# kind -> (config class name, extra config arguments)
+TINY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {"tie_word_embeddings": False}),
+    "llama-tied": ("LlamaConfig", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
+    "llama3-rope": (
+        "LlamaConfig",
+        {
+            "tie_word_embeddings": True,
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "rope_theta": 500000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
+    "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 16}),
+    "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+}
+
+
+def build_tiny_model(kind: str, path: Path) -> Path:
+    """Save a seeded random float64 model of `kind` (see TINY_KINDS) to `path`."""
+    import torch
+    import transformers
+
+    class_name, extra = TINY_KINDS[kind]
+    config_cls = getattr(transformers, class_name)
+    config = config_cls(**{**_COMMON, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(torch.float64)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """`tiny_model_dir("llama")` -> a cached folder; kinds: see TINY_KINDS."""
+    cache: dict[str, Path] = {}
+
+    def get(kind: str = "llama") -> Path:
+        if kind not in cache:
+            cache[kind] = build_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+        return cache[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model() -> Callable[[Path], Any]:
+    """The transformers reference for a tiny folder, loaded once per folder, in float64."""
+    cache: dict[Path, Any] = {}
+
+    def get(path: Path) -> Any:
+        if path not in cache:
+            import torch
+            import transformers
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+            cache[path] = model.eval()
+        return cache[path]
+
+    return get
