@@ -264,7 +264,7 @@ def test_block_size_256_matches_transformers(kind, tiny_model_dir, tiny_hf_model
         ("mid", random_prompt(rng, 250), 12),
     ]
     done = run_staggered(engine, {0: requests[:2], 2: requests[2:]})
-    again = [("again", long_prompt[:257] + [5], 4)]
+    again = [("again", [*long_prompt[:257], 5], 4)]
     done |= run_staggered(engine, {0: again})
     assert done["again"].num_cached_tokens == 256
     check_against_hf(hf, path, requests + again, done)
