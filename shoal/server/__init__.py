@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server: completions, chat, files and the Batch API."""

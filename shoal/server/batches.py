@@ -1,0 +1,133 @@
+"""`/v1/batches`: create, get, list (paginated with `after` and `limit`), cancel; plus the
+function the runner calls to execute one batch line through the same serving path."""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Query
+from pydantic import ValidationError
+
+from shoal.server.batch_runner import usage_obj
+from shoal.server.errors import APIError, error_body, not_found
+from shoal.server.jsonl import ENDPOINTS
+from shoal.server.protocol import BatchCreateRequest, ChatCompletionRequest, CompletionRequest
+from shoal.server.serving import prepare_chat, prepare_completion, respond
+from shoal.server.state import ServerState, get_state
+from shoal.server.store import ACTIVE, new_id
+
+router = APIRouter()
+State = Annotated[ServerState, Depends(get_state)]
+
+WINDOWS = {"24h": 24 * 3600}
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
+    """Fill in counts of a running batch from the results table."""
+    if obj["status"] in ACTIVE and obj.get("request_counts"):
+        completed, failed, pt, ct = state.store.result_counts(obj["id"])
+        obj["request_counts"] = {**obj["request_counts"], "completed": completed,
+                                 "failed": failed}
+        obj["usage"] = usage_obj(pt, ct)
+    return obj
+
+
+def _batch(state: ServerState, batch_id: str) -> dict[str, Any]:
+    obj = state.store.get_batch(batch_id)
+    if obj is None:
+        raise not_found("batch", batch_id, "batch_id")
+    return _live(state, obj)
+
+
+@router.post("/v1/batches")
+async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
+    if req.endpoint not in ENDPOINTS:
+        raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
+    if req.completion_window not in WINDOWS:
+        raise APIError(400, "completion_window must be '24h'", param="completion_window")
+    for k, v in (req.metadata or {}).items():
+        if len(k) > 64 or len(v) > 512:
+            raise APIError(400, "metadata keys hold at most 64 characters and values 512",
+                           param="metadata")
+    f = state.store.get_file(req.input_file_id)
+    if f is None:
+        raise not_found("file", req.input_file_id, "input_file_id")
+    if f["purpose"] != "batch":
+        raise APIError(400, "the input file must have purpose 'batch'", param="input_file_id")
+    now = int(time.time())
+    obj: dict[str, Any] = {
+        "id": new_id("batch_"), "object": "batch", "endpoint": req.endpoint,
+        "errors": None, "input_file_id": req.input_file_id,
+        "completion_window": req.completion_window, "status": "validating",
+        "output_file_id": None, "error_file_id": None, "created_at": now,
+        "in_progress_at": None, "expires_at": now + WINDOWS[req.completion_window],
+        "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+        "cancelling_at": None, "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": req.metadata, "model": None, "usage": None,
+    }
+    state.store.create_batch(obj)
+    state.runner.submit(obj["id"])
+    return obj
+
+
+@router.get("/v1/batches/{batch_id}")
+async def get_batch(state: State, batch_id: str) -> dict[str, Any]:
+    return _batch(state, batch_id)
+
+
+@router.get("/v1/batches")
+async def list_batches(
+    state: State,
+    after: str | None = None,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+) -> dict[str, Any]:
+    data, has_more = state.store.list_batches(after=after, limit=limit)
+    data = [_live(state, b) for b in data]
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
+    }
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
+    obj = _batch(state, batch_id)
+    if obj["status"] in ("cancelling", "cancelled"):
+        return obj
+    if obj["status"] in TERMINAL or obj["status"] == "finalizing":
+        raise APIError(400, f"cannot cancel a batch whose status is {obj['status']}",
+                       param="batch_id")
+    state.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+    state.runner.cancel(batch_id)
+    return _batch(state, batch_id)
+
+
+async def execute_line(
+    state: ServerState, endpoint: str, body: dict[str, Any]
+) -> tuple[int, dict[str, Any], int, int]:
+    """One batch request at batch priority: (status, body, prompt_tokens, completion_tokens)."""
+    priority = state.config.batch_priority
+    try:
+        if endpoint == "/v1/chat/completions":
+            prep = prepare_chat(state, ChatCompletionRequest.model_validate(body),
+                                priority=priority)
+        else:
+            prep = prepare_completion(state, CompletionRequest.model_validate(body),
+                                      priority=priority)
+        result = await respond(state, prep)
+    except ValidationError as e:
+        errs = e.errors()
+        param = ".".join(str(p) for p in errs[0]["loc"]) if errs else None
+        msg = errs[0]["msg"] if errs else str(e)
+        return 400, error_body(400, f"invalid request: {msg}", param=param or None), 0, 0
+    except APIError as e:
+        return e.status, e.body(), 0, 0
+    usage = result["usage"]
+    state.metrics.batch_requests.labels(outcome="ok").inc()
+    return 200, result, usage["prompt_tokens"], usage["completion_tokens"]

@@ -1,0 +1,135 @@
+"""OpenAI-shaped error objects and the exception handlers that produce them.
+
+Every error leaves the server as `{"error": {"message", "type", "param", "code"}}` with a
+status the official SDKs map to their typed exceptions.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from shoal.errors import (
+    EngineClosedError,
+    InvalidRequestError,
+    PromptTooLongError,
+    QueueFullError,
+    ShoalError,
+)
+
+log = logging.getLogger("shoal.server")
+
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_exceeded",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error with an HTTP status, raised by handlers and turned into OpenAI JSON."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+
+
+def from_engine_error(e: ShoalError) -> APIError:
+    """Map the engine's typed errors to HTTP statuses."""
+    if isinstance(e, PromptTooLongError):
+        return APIError(413, str(e), param="prompt", code="context_length_exceeded")
+    if isinstance(e, InvalidRequestError):
+        return APIError(400, str(e))
+    if isinstance(e, QueueFullError):
+        return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
+    if isinstance(e, EngineClosedError):
+        return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
+    return APIError(500, f"engine error: {e}")
+
+
+def not_found(what: str, ident: str, param: str | None = None) -> APIError:
+    return APIError(404, f"No {what} found with id '{ident}'.", param=param, code="not_found")
+
+
+def model_not_found(model: str) -> APIError:
+    return APIError(
+        404, f"The model `{model}` does not exist.", param="model", code="model_not_found"
+    )
+
+
+def _loc(err: dict[str, Any]) -> str:
+    parts = [str(p) for p in err.get("loc", ()) if p not in ("body", "query", "path")]
+    return ".".join(parts)
+
+
+def install_handlers(app: FastAPI) -> None:
+    async def api_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, APIError)
+        return error_response(exc)
+
+    async def shoal_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ShoalError)
+        return error_response(from_engine_error(exc))
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = list(exc.errors())
+        first = errors[0] if errors else {}
+        param = _loc(first) or None
+        message = "; ".join(f"{_loc(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
+        # Bad JSON bodies are 400 as with OpenAI; bad query or path parameters are 422.
+        in_body = all(e.get("loc", ("body",))[0] == "body" for e in errors)
+        status = 400 if in_body else 422
+        return error_response(APIError(status, message or "invalid request", param=param))
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
+        return error_response(err)
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(APIError(500, "internal server error"))
+
+    app.add_exception_handler(APIError, api_error)
+    app.add_exception_handler(ShoalError, shoal_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

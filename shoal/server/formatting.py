@@ -1,0 +1,165 @@
+"""Turning engine outputs into OpenAI response bodies and stream chunks (pure functions)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from shoal.outputs import RequestOutput
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    if tokenizer is None:
+        return f"<{token_id}>"
+    return str(tokenizer.decode([token_id]))
+
+
+def usage(outs: Sequence[RequestOutput | None]) -> dict[str, Any]:
+    """Token counts over all choices; a prompt shared by n choices counts once.
+
+    Request ids are `<response id>-<prompt index>-<choice>`, so choices of one prompt share
+    everything before the last dash.
+    """
+    done = [o for o in outs if o is not None]
+    prompts: dict[str, int] = {}
+    cached: dict[str, int] = {}
+    for o in done:
+        key = o.request_id.rsplit("-", 1)[0]
+        prompts[key] = len(o.prompt_token_ids)
+        cached[key] = o.num_cached_tokens
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(len(o.token_ids) for o in done)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
+    }
+
+
+def completion_logprobs(
+    tokenizer: Any, out: RequestOutput, start: int, end: int, text_offset: int
+) -> dict[str, Any] | None:
+    """The legacy completions shape for generated tokens [start, end)."""
+    if out.logprobs is None or out.top_logprobs is None:
+        return None
+    end = min(end, len(out.logprobs))
+    tokens = [_token_text(tokenizer, t) for t in out.token_ids[start:end]]
+    offsets = []
+    pos = text_offset
+    for tok in tokens:
+        offsets.append(pos)
+        pos += len(tok)
+    top = [
+        {_token_text(tokenizer, t): lp for t, lp in alts.items()}
+        for alts in out.top_logprobs[start:end]
+    ]
+    return {
+        "tokens": tokens,
+        "token_logprobs": list(out.logprobs[start:end]),
+        "top_logprobs": top,
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(
+    tokenizer: Any, out: RequestOutput, start: int, end: int
+) -> dict[str, Any] | None:
+    """The chat shape: one entry per generated token with its alternatives."""
+    if out.logprobs is None or out.top_logprobs is None:
+        return None
+    content = []
+    end = min(end, len(out.logprobs))
+    for i in range(start, end):
+        tok = _token_text(tokenizer, out.token_ids[i])
+        alts = [
+            {"token": (s := _token_text(tokenizer, t)), "logprob": lp, "bytes": list(s.encode())}
+            for t, lp in out.top_logprobs[i].items()
+        ]
+        content.append(
+            {
+                "token": tok,
+                "logprob": out.logprobs[i],
+                "bytes": list(tok.encode()),
+                "top_logprobs": alts,
+            }
+        )
+    return {"content": content, "refusal": None}
+
+
+def completion_body(
+    rid: str, created: int, model: str, outs: Sequence[RequestOutput], tokenizer: Any
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "text": o.text,
+            "logprobs": completion_logprobs(tokenizer, o, 0, len(o.token_ids), 0),
+            "finish_reason": o.finish_reason,
+        }
+        for i, o in enumerate(outs)
+    ]
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs),
+        "system_fingerprint": None,
+    }
+
+
+def chat_body(
+    rid: str, created: int, model: str, outs: Sequence[RequestOutput], tokenizer: Any
+) -> dict[str, Any]:
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": o.text, "refusal": None},
+            "logprobs": chat_logprobs(tokenizer, o, 0, len(o.token_ids)),
+            "finish_reason": o.finish_reason,
+        }
+        for i, o in enumerate(outs)
+    ]
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": choices,
+        "usage": usage(outs),
+        "system_fingerprint": None,
+    }
+
+
+def completion_chunk(
+    rid: str, created: int, model: str, choice: dict[str, Any], with_usage: bool
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "system_fingerprint": None,
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(
+    rid: str, created: int, model: str, choice: dict[str, Any], with_usage: bool
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+        "system_fingerprint": None,
+    }
+    if with_usage:
+        chunk["usage"] = None
+    return chunk

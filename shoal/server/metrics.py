@@ -1,0 +1,82 @@
+"""Prometheus metrics: engine gauges read at scrape time, latency histograms observed live."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from shoal.engine.llm_engine import Engine
+    from shoal.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                    10.0, 30.0, 60.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0,
+                2.5)
+
+
+class _EngineCollector(Collector):
+    """Reads `engine.stats()` on each scrape; tokens/s is the rate since the previous scrape."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._last = (time.monotonic(), 0)
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.engine.stats()
+        now = time.monotonic()
+        t0, n0 = self._last
+        rate = (s.num_generated_tokens - n0) / (now - t0) if now > t0 else 0.0
+        self._last = (now, s.num_generated_tokens)
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"shoal_{name}", doc, value=value)
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
+        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use.",
+                    s.kv_utilization / 100.0)
+        yield gauge("kv_cache_blocks_used", "KV blocks in use.", s.blocks_used)
+        yield gauge("kv_cache_blocks_free", "KV blocks free.", s.blocks_free)
+        yield gauge("generation_tokens_per_second",
+                    "Generated tokens per second since the previous scrape.", max(0.0, rate))
+        yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
+                    s.prefix_cache_hit_rate)
+        yield CounterMetricFamily("shoal_generation_tokens", "Tokens generated.",
+                                  value=s.num_generated_tokens)
+        yield CounterMetricFamily("shoal_num_preemptions", "Requests preempted.",
+                                  value=s.num_preemptions)
+        for name in ("session_hits", "num_session_hits", "session_hit_rate"):
+            value = getattr(s, name, None)
+            if isinstance(value, int | float):
+                yield gauge(name, f"Engine session statistic {name}.", float(value))
+
+
+class ServerMetrics:
+    """One registry per app, so several servers can live in one process (tests)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine))
+        self.ttft = Histogram("shoal_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.itl = Histogram("shoal_inter_token_latency_seconds",
+                             "Time between successive generated tokens.",
+                             buckets=_ITL_BUCKETS, registry=self.registry)
+        self.requests = Counter("shoal_requests", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=self.registry)
+        self.batch_requests = Counter("shoal_batch_requests", "Batch API requests by outcome.",
+                                      ["outcome"], registry=self.registry)
+
+    def finished(self, out: RequestOutput | None) -> None:
+        reason = out.finish_reason if out is not None and out.finish_reason else "abort"
+        self.requests.labels(finish_reason=reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

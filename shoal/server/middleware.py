@@ -1,0 +1,94 @@
+"""ASGI middleware: Bearer auth (constant-time), body-size limits, 503 while shutting down."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from collections.abc import Callable
+
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shoal.server.errors import error_body
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class _BodyTooLarge(HTTPException):
+    """Raised from `receive`: FastAPI passes HTTP exceptions through body parsing."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"the request body exceeds {limit} bytes")
+
+
+async def _send_error(send: Send, status: int, message: str, headers: dict[str, str]) -> None:
+    body = json.dumps(error_body(status, message)).encode()
+    raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body})
+
+
+class Guard:
+    """The first thing every request meets."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int, max_upload: int,
+                 shutting_down: Callable[[], bool]) -> None:
+        self.app = app
+        self.key = api_key.encode() if api_key else None
+        self.max_body = max_body
+        self.max_upload = max_upload
+        self.shutting_down = shutting_down
+
+    def _authorized(self, scope: Scope) -> bool:
+        if self.key is None or scope["path"] in OPEN_PATHS:
+            return True
+        header = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                header = v
+                break
+        scheme, _, token = header.partition(b" ")
+        # Compare in constant time whatever the input (a wrong scheme compares too).
+        ok = hmac.compare_digest(token.strip(), self.key)
+        return ok and scheme.lower() == b"bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.shutting_down() and scope["path"] != "/metrics":
+            await _send_error(send, 503, "the server is shutting down", {"Retry-After": "5"})
+            return
+        if not self._authorized(scope):
+            await _send_error(send, 401, "Incorrect API key provided.",
+                              {"WWW-Authenticate": "Bearer"})
+            return
+        limit = self.max_upload if scope["path"] == "/v1/files" else self.max_body
+        for k, v in scope.get("headers", []):
+            if k == b"content-length" and v.isdigit() and int(v) > limit:
+                await _send_error(send, 413, f"the request body exceeds {limit} bytes", {})
+                return
+        seen = 0
+        started = False
+
+        async def counted_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise _BodyTooLarge(limit)
+            return message
+
+        async def tracked_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await _send_error(send, 413, f"the request body exceeds {limit} bytes", {})

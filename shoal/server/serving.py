@@ -1,0 +1,370 @@
+"""From a parsed request to engine calls and back: shared by the HTTP routes and batches.
+
+Handlers stay thin: they parse, call `prepare_*`, then `respond` or `stream_sse`. No engine
+logic lives here, only the translation between OpenAI fields and `SamplingParams`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from shoal.errors import ShoalError
+from shoal.outputs import RequestOutput
+from shoal.sampling_params import SamplingParams
+from shoal.server import formatting as fmt
+from shoal.server.errors import APIError, from_engine_error, model_not_found
+from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from shoal.server.state import ServerState
+
+Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class Prepared:
+    """One request, ready for the engine: a prompt and params per choice."""
+
+    chat: bool
+    rid: str
+    created: int
+    model: str
+    jobs: list[tuple[Prompt, SamplingParams]]
+    n: int = 1  # choices per prompt; jobs are prompt-major
+    include_usage: bool = False
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.model != state.model_name:
+        raise model_not_found(req.model)
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name} is not supported (use 0 or leave it out)", param=name)
+
+
+def _params(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, j: int
+) -> SamplingParams:
+    seed = req.seed
+    if seed is not None and j:
+        seed = (seed + j) % (2**63)
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            seed=seed,
+            stop=req.stop,
+            ignore_eos=bool(req.ignore_eos),
+            logprobs=logprobs,
+        )
+    except ShoalError as e:
+        raise from_engine_error(e) from e
+
+
+def _engine_kwargs(state: ServerState, session_id: str | None, priority: int) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"priority": priority}
+    if session_id:
+        if not state.supports_sessions:
+            raise APIError(400, "this engine does not support sessions", param="session_id")
+        kwargs["session_id"] = session_id
+    return kwargs
+
+
+def prepare_completion(
+    state: ServerState, req: CompletionRequest, *, priority: int = 0, session_id: str | None = None
+) -> Prepared:
+    _check_common(state, req)
+    if req.echo:
+        raise APIError(400, "echo is not supported", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    n = req.n or 1
+    if req.best_of is not None and req.best_of != n:
+        raise APIError(400, "best_of must equal n (or be left out)", param="best_of")
+    p = req.prompt
+    prompts: list[Prompt]
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]  # type: ignore[arg-type]
+    else:
+        prompts = list(p)  # type: ignore[arg-type]
+    if not prompts:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
+    max_tokens = req.max_tokens or 16
+    jobs = [(pr, _params(req, max_tokens, req.logprobs, j)) for pr in prompts for j in range(n)]
+    return Prepared(
+        chat=False,
+        rid=_new_id("cmpl"),
+        created=int(time.time()),
+        model=state.model_name,
+        jobs=jobs,
+        n=n,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        engine_kwargs=_engine_kwargs(state, session_id or req.session_id, priority),
+    )
+
+
+def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    messages: list[dict[str, Any]] = []
+    for i, m in enumerate(req.messages):
+        if isinstance(m.content, list):
+            texts = []
+            for part in m.content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        400, f"unsupported content part type {part.type!r}",
+                        param=f"messages.{i}.content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        else:
+            content = m.content or ""
+        msg: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name:
+            msg["name"] = m.name
+        messages.append(msg)
+    engine = state.engine
+    tok = engine.tokenizer
+    if tok is None or not getattr(tok, "chat_template", None):
+        raise APIError(400, "this model has no chat template: use /v1/completions")
+    try:
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # the template itself rejected the conversation
+        raise APIError(
+            400, f"the chat template rejected the messages: {e}", param="messages"
+        ) from e
+    try:
+        return engine.encode(text)
+    except ShoalError as e:
+        raise from_engine_error(e) from e
+
+
+def prepare_chat(
+    state: ServerState,
+    req: ChatCompletionRequest,
+    *,
+    priority: int = 0,
+    session_id: str | None = None,
+) -> Prepared:
+    _check_common(state, req)
+    if req.tools:
+        raise APIError(400, "tools are not supported", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400, "only response_format type 'text' is supported", param="response_format"
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+    ids = chat_prompt(state, req)
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, state.engine.max_model_len - len(ids))
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    n = req.n or 1
+    jobs: list[tuple[Prompt, SamplingParams]] = [
+        (ids, _params(req, max_tokens, logprobs, j)) for j in range(n)
+    ]
+    return Prepared(
+        chat=True,
+        rid=_new_id("chatcmpl"),
+        created=int(time.time()),
+        model=state.model_name,
+        jobs=jobs,
+        n=n,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        engine_kwargs=_engine_kwargs(state, session_id or req.session_id, priority),
+    )
+
+
+async def _one(state: ServerState, prep: Prepared, i: int) -> AsyncGenerator[RequestOutput]:
+    """One choice through the engine, with TTFT and inter-token latency recorded."""
+    prompt, params = prep.jobs[i]
+    request_id = f"{prep.rid}-{i // prep.n}-{i % prep.n}"
+    metrics = state.metrics
+    last_t: float | None = None
+    last_n = 0
+    final: RequestOutput | None = None
+    try:
+        gen = cast(
+            AsyncGenerator[RequestOutput],
+            state.aeng.generate(prompt, params, request_id, **prep.engine_kwargs),
+        )
+        async with aclosing(gen):
+            async for out in gen:
+                now = time.monotonic()
+                k = len(out.token_ids)
+                if k > last_n:
+                    if last_t is None:
+                        first = out.metrics.get("first_token_time", now)
+                        arrival = out.metrics.get("arrival_time", first)
+                        metrics.ttft.observe(max(0.0, first - arrival))
+                    else:
+                        metrics.itl.observe((now - last_t) / (k - last_n))
+                    last_t, last_n = now, k
+                final = out
+                yield out
+    finally:
+        metrics.finished(final)
+
+
+async def merged(
+    state: ServerState, prep: Prepared
+) -> AsyncGenerator[tuple[int, RequestOutput]]:
+    """All choices at once, tagged by index. Closing this aborts whatever still runs."""
+    if len(prep.jobs) == 1:
+        async with aclosing(_one(state, prep, 0)) as gen:
+            async for out in gen:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int) -> None:
+        try:
+            async with aclosing(_one(state, prep, i)) as gen:
+                async for out in gen:
+                    queue.put_nowait((i, out))
+        except Exception as e:
+            queue.put_nowait((i, e))
+        finally:
+            queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i)) for i in range(len(prep.jobs))]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            i, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _as_api_error(e: BaseException) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, ShoalError):
+        return from_engine_error(e)
+    return APIError(500, f"generation failed: {type(e).__name__}")
+
+
+async def respond(state: ServerState, prep: Prepared) -> dict[str, Any]:
+    """Run to completion and return the response body (raises APIError)."""
+    finals: list[RequestOutput | None] = [None] * len(prep.jobs)
+    try:
+        async with aclosing(merged(state, prep)) as gen:
+            async for i, out in gen:
+                finals[i] = out
+    except Exception as e:
+        raise _as_api_error(e) from e
+    outs = [o for o in finals if o is not None]
+    if len(outs) != len(finals) or any(o.finish_reason == "abort" for o in outs):
+        raise APIError(503, "the request was aborted (the server is shutting down)")
+    build = fmt.chat_body if prep.chat else fmt.completion_body
+    return build(prep.rid, prep.created, prep.model, outs, state.engine.tokenizer)
+
+
+def _sse(obj: dict[str, Any] | str) -> bytes:
+    data = obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()
+
+
+async def start_stream(
+    state: ServerState, prep: Prepared
+) -> tuple[AsyncGenerator[tuple[int, RequestOutput]], tuple[int, RequestOutput]]:
+    """Submit and wait for the first output, so that bad input fails before the 200."""
+    gen = merged(state, prep)
+    try:
+        first = await anext(gen)
+    except StopAsyncIteration as e:
+        await gen.aclose()
+        raise APIError(503, "the request was aborted") from e
+    except BaseException as e:
+        await gen.aclose()
+        raise _as_api_error(e) from e
+    return gen, first
+
+
+async def stream_sse(
+    state: ServerState,
+    prep: Prepared,
+    gen: AsyncGenerator[tuple[int, RequestOutput]],
+    first: tuple[int, RequestOutput],
+) -> AsyncIterator[bytes]:
+    """Server-sent events in OpenAI's chunk format, ending with `[DONE]`."""
+    tok = state.engine.tokenizer
+    k = len(prep.jobs)
+    text_sent = [0] * k
+    toks_sent = [0] * k
+    finals: list[RequestOutput | None] = [None] * k
+    wu = prep.include_usage
+    chunk = fmt.chat_chunk if prep.chat else fmt.completion_chunk
+    rid, created, model = prep.rid, prep.created, prep.model
+
+    def choice(i: int, out: RequestOutput) -> dict[str, Any] | None:
+        delta = out.text[text_sent[i] :]
+        start, end = toks_sent[i], len(out.token_ids)
+        if not delta and not out.finished and (end == start or out.logprobs is None):
+            return None
+        if prep.chat:
+            lp = fmt.chat_logprobs(tok, out, start, end) if end > start else None
+            c: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {}}
+        else:
+            lp = fmt.completion_logprobs(tok, out, start, end, text_sent[i])
+            c = {"index": i, "text": delta}
+        c["logprobs"] = lp
+        c["finish_reason"] = out.finish_reason
+        text_sent[i] += len(delta)
+        toks_sent[i] = end
+        return c
+
+    try:
+        if prep.chat:
+            for i in range(k):
+                role = {"index": i, "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                yield _sse(chunk(rid, created, model, role, wu))
+        pending: list[tuple[int, RequestOutput]] = [first]
+        while True:
+            for i, out in pending:
+                if out.finish_reason == "abort":
+                    raise APIError(503, "the request was aborted (the server is shutting down)")
+                if out.finished:
+                    finals[i] = out
+                c = choice(i, out)
+                if c is not None:
+                    yield _sse(chunk(rid, created, model, c, wu))
+            try:
+                pending = [await anext(gen)]
+            except StopAsyncIteration:
+                break
+        if wu:
+            yield _sse({"id": rid, "object": chunk(rid, created, model, {}, wu)["object"],
+                        "created": created, "model": model, "choices": [],
+                        "usage": fmt.usage(finals)})
+    except Exception as e:
+        yield _sse(_as_api_error(e).body())
+    finally:
+        await gen.aclose()
+    yield _sse("[DONE]")

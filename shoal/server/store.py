@@ -1,0 +1,227 @@
+"""Durable state: SQLite (WAL) for files, batches and per-request batch results, plus a folder
+holding file contents. One connection behind a lock; every call is a short transaction.
+
+Batch results are keyed by `(batch_id, custom_id)` and inserted with `INSERT OR IGNORE`, so a
+request finished twice (a restart racing a write) is stored once; output files are built
+from this table, never from memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS files (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL,
+    filename TEXT NOT NULL,
+    purpose TEXT NOT NULL,
+    expires_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS batches (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    status TEXT NOT NULL,
+    obj TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS results (
+    batch_id TEXT NOT NULL,
+    custom_id TEXT NOT NULL,
+    line INTEGER NOT NULL,
+    ok INTEGER NOT NULL,
+    body TEXT NOT NULL,
+    prompt_tokens INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (batch_id, custom_id)
+);
+"""
+
+ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+def _file_obj(row: sqlite3.Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "object": "file",
+        "bytes": row["bytes"],
+        "created_at": row["created_at"],
+        "filename": row["filename"],
+        "purpose": row["purpose"],
+        "status": "processed",
+        "expires_at": row["expires_at"],
+        "status_details": None,
+    }
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Store:
+    def __init__(self, data_dir: Path) -> None:
+        self.dir = Path(data_dir)
+        self.files_dir = self.dir / "files"
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(self.dir / "shoal.sqlite3", check_same_thread=False,
+                                   isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.execute("PRAGMA busy_timeout=5000")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+    def _q(self, sql: str, args: tuple[Any, ...] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._db.execute(sql, args).fetchall()
+
+    # -- files -----------------------------------------------------------------------------
+    def file_path(self, file_id: str) -> Path:
+        return self.files_dir / f"{file_id}.jsonl"
+
+    def create_file(
+        self, filename: str, purpose: str, content: bytes, *, file_id: str | None = None,
+        expires_at: int | None = None,
+    ) -> dict[str, Any]:
+        file_id = file_id or new_id("file-")
+        write_atomic(self.file_path(file_id), content)
+        with self._lock:
+            self._db.execute(
+                "INSERT OR REPLACE INTO files "
+                "(id, bytes, created_at, filename, purpose, expires_at) VALUES (?, ?, ?, ?, ?, ?)",
+                (file_id, len(content), int(time.time()), filename, purpose, expires_at),
+            )
+        obj = self.get_file(file_id)
+        assert obj is not None
+        return obj
+
+    def get_file(self, file_id: str) -> dict[str, Any] | None:
+        rows = self._q("SELECT * FROM files WHERE id = ?", (file_id,))
+        return _file_obj(rows[0]) if rows else None
+
+    def read_file(self, file_id: str) -> bytes:
+        return self.file_path(file_id).read_bytes()
+
+    def list_files(
+        self, *, purpose: str | None, after: str | None, limit: int, order: str
+    ) -> tuple[list[dict[str, Any]], bool]:
+        desc = order == "desc"
+        sql, args = "SELECT * FROM files WHERE 1=1", list[Any]()
+        if purpose:
+            sql += " AND purpose = ?"
+            args.append(purpose)
+        if after:
+            sql += f" AND seq {'<' if desc else '>'} (SELECT seq FROM files WHERE id = ?)"
+            args.append(after)
+        sql += f" ORDER BY seq {'DESC' if desc else 'ASC'} LIMIT ?"
+        args.append(limit + 1)
+        rows = self._q(sql, tuple(args))
+        return [_file_obj(r) for r in rows[:limit]], len(rows) > limit
+
+    def delete_file(self, file_id: str) -> bool:
+        with self._lock:
+            cur = self._db.execute("DELETE FROM files WHERE id = ?", (file_id,))
+        self.file_path(file_id).unlink(missing_ok=True)
+        return cur.rowcount > 0
+
+    # -- batches ---------------------------------------------------------------------------
+    def create_batch(self, obj: dict[str, Any]) -> None:
+        with self._lock:
+            self._db.execute("INSERT INTO batches (id, status, obj) VALUES (?, ?, ?)",
+                             (obj["id"], obj["status"], json.dumps(obj)))
+
+    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+        rows = self._q("SELECT obj FROM batches WHERE id = ?", (batch_id,))
+        return json.loads(rows[0]["obj"]) if rows else None
+
+    def update_batch(self, batch_id: str, **fields: Any) -> dict[str, Any]:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute("SELECT obj FROM batches WHERE id = ?", (batch_id,))
+                obj = json.loads(row.fetchone()["obj"])
+                obj.update(fields)
+                self._db.execute("UPDATE batches SET status = ?, obj = ? WHERE id = ?",
+                                 (obj["status"], json.dumps(obj), batch_id))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return obj
+
+    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
+        sql, args = "SELECT obj FROM batches", list[Any]()
+        if after:
+            sql += " WHERE seq < (SELECT seq FROM batches WHERE id = ?)"
+            args.append(after)
+        sql += " ORDER BY seq DESC LIMIT ?"
+        args.append(limit + 1)
+        rows = self._q(sql, tuple(args))
+        return [json.loads(r["obj"]) for r in rows[:limit]], len(rows) > limit
+
+    def active_batch_ids(self) -> list[str]:
+        marks = ",".join("?" * len(ACTIVE))
+        rows = self._q(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)
+        return [r["id"] for r in rows]
+
+    def batches_using_file(self, file_id: str) -> list[str]:
+        marks = ",".join("?" * len(ACTIVE))
+        rows = self._q(
+            f"SELECT id FROM batches WHERE status IN ({marks}) "
+            "AND json_extract(obj, '$.input_file_id') = ?", (*ACTIVE, file_id))
+        return [r["id"] for r in rows]
+
+    # -- batch results ---------------------------------------------------------------------
+    def add_result(
+        self, batch_id: str, custom_id: str, line: int, ok: bool, body: dict[str, Any],
+        prompt_tokens: int = 0, completion_tokens: int = 0,
+    ) -> bool:
+        """Record one finished request; False if it was already recorded."""
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (batch_id, custom_id, line, int(ok), json.dumps(body), prompt_tokens,
+                 completion_tokens),
+            )
+        return cur.rowcount > 0
+
+    def done_custom_ids(self, batch_id: str) -> set[str]:
+        return {r[0] for r in self._q("SELECT custom_id FROM results WHERE batch_id = ?",
+                                      (batch_id,))}
+
+    def result_counts(self, batch_id: str) -> tuple[int, int, int, int]:
+        """(completed, failed, prompt_tokens, completion_tokens)."""
+        row = self._q(
+            "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0), "
+            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
+            "FROM results WHERE batch_id = ?", (batch_id,))[0]
+        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
+
+    def results(self, batch_id: str) -> Iterator[tuple[bool, str]]:
+        rows = self._q("SELECT ok, body FROM results WHERE batch_id = ? ORDER BY line",
+                       (batch_id,))
+        for r in rows:
+            yield bool(r["ok"]), r["body"]

@@ -1,0 +1,114 @@
+"""Server fixtures: a tiny model with a tokenizer, and live uvicorn servers on 127.0.0.1.
+
+`server` is one shared in-thread server (its engine is reachable for pool checks);
+`start_server(**config)` starts more with other settings; `spawn_server(data_dir)` runs one
+in a subprocess (for kill -9 and SIGTERM tests). Every server stops itself.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+import uvicorn
+from server_harness import LiveServer, SpawnedServer, free_port
+from server_tiny_model import build_tiny_model
+
+from shoal.server.app import create_app
+from shoal.server.state import ServerConfig
+
+NUM_BLOCKS = 1024
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-chat-model"))
+
+
+@pytest.fixture(scope="session")
+def start_server(
+    tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., LiveServer]]:
+    started: list[LiveServer] = []
+
+    def start(**overrides: Any) -> LiveServer:
+        overrides.setdefault("data_dir", tmp_path_factory.mktemp("data"))
+        overrides.setdefault("num_blocks", NUM_BLOCKS)
+        config = ServerConfig(model=str(tiny_chat_model), **overrides)
+        port = free_port()
+        uv = uvicorn.Config(
+            create_app(config),
+            host="127.0.0.1",
+            port=port,
+            log_level="warning",
+            timeout_graceful_shutdown=10,
+        )
+        server = uvicorn.Server(uv)
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        live = LiveServer(f"http://127.0.0.1:{port}", server, thread, config.data_dir)
+        started.append(live)
+        return live
+
+    yield start
+    for live in started:
+        live.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server: Callable[..., LiveServer]) -> LiveServer:
+    return start_server()
+
+
+@pytest.fixture(scope="session")
+def client(server: LiveServer) -> openai.OpenAI:
+    return server.client()
+
+
+@pytest.fixture
+def spawn_server(tiny_chat_model: Path, tmp_path: Path) -> Iterator[Callable[..., SpawnedServer]]:
+    procs: list[SpawnedServer] = []
+
+    def spawn(data_dir: Path, *extra: str) -> SpawnedServer:
+        port = free_port()
+        log = tmp_path / f"server-{port}.log"
+        cmd = [
+            sys.executable,
+            str(HERE / "serve_tiny.py"),
+            "--model",
+            str(tiny_chat_model),
+            "--port",
+            str(port),
+            "--data-dir",
+            str(data_dir),
+            "--num-blocks",
+            str(NUM_BLOCKS),
+            *extra,
+        ]
+        env = dict(os.environ)
+        with log.open("wb") as fh:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        spawned = SpawnedServer(f"http://127.0.0.1:{port}", proc, log)
+        procs.append(spawned)
+        spawned.wait_ready()
+        return spawned
+
+    yield spawn
+    for p in procs:
+        if p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(timeout=30)

@@ -1,0 +1,33 @@
+"""Run a server on 127.0.0.1 for subprocess tests (kill -9, SIGTERM): `shoal serve` plus the
+settings tests need (a small KV pool, batch concurrency)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from shoal.server.app import run_server
+from shoal.server.state import ServerConfig
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--data-dir", required=True)
+    p.add_argument("--num-blocks", type=int, default=1024)
+    p.add_argument("--max-num-seqs", type=int, default=8)
+    p.add_argument("--batch-concurrency", type=int, default=4)
+    a = p.parse_args()
+    config = ServerConfig(
+        model=a.model,
+        data_dir=Path(a.data_dir),
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        batch_concurrency=a.batch_concurrency,
+    )
+    run_server(config, "127.0.0.1", a.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Live servers for the server tests: in a thread (engine reachable) or in a subprocess."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import uvicorn
+
+from shoal.server.state import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class LiveServer:
+    url: str
+    server: uvicorn.Server
+    thread: threading.Thread
+    data_dir: Path
+
+    @property
+    def state(self) -> ServerState:
+        state: ServerState = self.server.config.app.state.shoal
+        return state
+
+    @property
+    def model(self) -> str:
+        return self.state.model_name
+
+    def client(self, **kw: Any) -> openai.OpenAI:
+        kw.setdefault("api_key", "unused")
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kw)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@dataclass
+class SpawnedServer:
+    url: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def wait_ready(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("the spawned server did not become ready")
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)

@@ -1,0 +1,59 @@
+"""A tiny random Llama with a real byte-level BPE tokenizer and a chat template, for fast tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SENTENCES = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world, this is a tiny model used for testing the shoal server.",
+    "What is the capital of France? Paris is the capital of France.",
+    "Batches of requests run at a lower priority than interactive traffic.",
+    "user assistant system: say hello, count to ten, tell a story.",
+]
+VOCAB = 320
+
+
+def build_tiny_model(path: Path) -> Path:
+    """Write config, random weights and tokenizer into `path` (idempotent)."""
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+    )
+    tok.train_from_iterator(SENTENCES * 4, trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>"
+    )
+    hf_tok.chat_template = CHAT_TEMPLATE
+    hf_tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=hf_tok.eos_token_id,
+        bos_token_id=hf_tok.bos_token_id,
+        tie_word_embeddings=False,
+        initializer_range=0.2,  # peaky logits: greedy picks are robust to batching noise
+    )
+    LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
