@@ -148,7 +148,11 @@ class Engine:
 
     def abort(self, request_id: str) -> None:
         with self._lock:
-            self._inbox.append(("abort", request_id))
+            # Resolve the id now: an id not (yet) submitted names nothing to abort, and a later
+            # request that reuses it must not be hit (nor meet the abort before its own add).
+            seq = self._requests.get(request_id)
+            if seq is not None:
+                self._inbox.append(("abort", seq))
 
     def has_unfinished_requests(self) -> bool:
         with self._lock:
@@ -164,8 +168,8 @@ class Engine:
             if kind == "add":
                 self.scheduler.add(item)
                 continue
-            seq = self._requests.get(item)
-            if seq is not None and not seq.is_finished:
+            seq = item
+            if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 aborted.append(self._finish_output(seq))
         return aborted
