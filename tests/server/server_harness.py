@@ -78,3 +78,14 @@ class SpawnedServer:
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
+
+
+def wait_pool_whole(live: LiveServer, timeout: float = 10) -> bool:
+    """Aborts free their blocks on the engine's next step: wait (bounded) for a whole pool."""
+    pool = live.state.engine.pool
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pool.num_free == pool.num_blocks and not live.state.engine.has_unfinished_requests():
+            return True
+        time.sleep(0.02)
+    return pool.num_free == pool.num_blocks

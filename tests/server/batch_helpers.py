@@ -1,0 +1,46 @@
+"""Helpers for Batch API tests: build JSONL, poll to a terminal state, read result files."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from typing import Any
+
+import openai
+
+TERMINAL = ("completed", "failed", "cancelled", "expired")
+
+
+def chat_line(custom_id: str, model: str, content: str, max_tokens: int = 8,
+              **extra: Any) -> dict[str, Any]:
+    body = {"model": model, "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens, "temperature": 0, **extra}
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": body}
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return ("\n".join(json.dumps(x) for x in lines) + "\n").encode()
+
+
+def upload(client: openai.OpenAI, data: bytes, name: str = "in.jsonl") -> str:
+    return client.files.create(file=(name, io.BytesIO(data)), purpose="batch").id
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 120,
+               until: tuple[str, ...] = TERMINAL) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        b = client.batches.retrieve(batch_id)
+        if b.status in until:
+            return b
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} still {b.status} after {timeout}s")
+
+
+def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    text = client.files.content(file_id).text
+    return [json.loads(ln) for ln in text.splitlines() if ln.strip()]

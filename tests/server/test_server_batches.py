@@ -1,0 +1,187 @@
+"""The Batch API through the `openai` SDK: files, batches, round trip, cancel, bad input."""
+
+from __future__ import annotations
+
+import io
+from collections import Counter
+from collections.abc import Callable
+
+import openai
+import pytest
+from batch_helpers import chat_line, jsonl, read_lines, upload, wait_batch
+from server_harness import LiveServer, wait_pool_whole
+
+PROMPTS = ["Hello world", "What is the capital of France?", "count to ten", "tell a story",
+           "The quick brown fox", "say hello"]
+
+
+def test_round_trip_matches_direct_calls(client: openai.OpenAI, server: LiveServer) -> None:
+    lines = [chat_line(f"req-{i}", server.model, p) for i, p in enumerate(PROMPTS)]
+    lines.append({"custom_id": "cmpl", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "unknown-model", "messages": [{"role": "user",
+                                                                   "content": "x"}]}})
+    lines.append(chat_line("bad-temp", server.model, "x", temperature=9))
+    file_id = upload(client, jsonl(lines))
+    f = client.files.retrieve(file_id)
+    assert f.purpose == "batch" and f.bytes > 0
+    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h", metadata={"job": "t1"})
+    assert batch.status in ("validating", "in_progress")
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed", done
+    assert done.request_counts is not None
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (len(lines), len(PROMPTS), 2)
+    assert done.metadata == {"job": "t1"} and done.model == server.model
+    assert done.completed_at and done.in_progress_at and done.finalizing_at
+
+    out = read_lines(client, done.output_file_id)
+    errs = read_lines(client, done.error_file_id)
+    assert sorted(x["custom_id"] for x in out) == sorted(f"req-{i}" for i in range(len(PROMPTS)))
+    by_id = {x["custom_id"]: x for x in out + errs}
+    for line in out:
+        assert line["id"].startswith("batch_req_") and line["error"] is None
+        assert line["response"]["status_code"] == 200
+        assert line["response"]["request_id"]
+    for i, p in enumerate(PROMPTS):
+        direct = client.chat.completions.create(
+            model=server.model, messages=[{"role": "user", "content": p}], max_tokens=8,
+            temperature=0)
+        got = by_id[f"req-{i}"]["response"]["body"]
+        assert got["choices"][0]["message"]["content"] == direct.choices[0].message.content
+        assert got["object"] == "chat.completion"
+    assert by_id["cmpl"]["response"]["status_code"] == 404
+    assert by_id["cmpl"]["response"]["body"]["error"]["code"] == "model_not_found"
+    assert by_id["bad-temp"]["response"]["status_code"] == 400
+    out_file = client.files.retrieve(done.output_file_id)  # type: ignore[arg-type]
+    assert out_file.purpose == "batch_output"
+
+
+def test_completions_endpoint(client: openai.OpenAI, server: LiveServer) -> None:
+    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"model": server.model, "prompt": p, "max_tokens": 5, "temperature": 0}}
+             for i, p in enumerate(PROMPTS[:3])]
+    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)),
+                                  endpoint="/v1/completions", completion_window="24h")
+    done = wait_batch(client, batch.id)
+    assert done.status == "completed" and done.error_file_id is None
+    out = read_lines(client, done.output_file_id)
+    for line in out:
+        i = int(line["custom_id"][1:])
+        direct = client.completions.create(model=server.model, prompt=PROMPTS[i], max_tokens=5,
+                                           temperature=0)
+        assert line["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
+
+
+@pytest.mark.parametrize(
+    ("content", "code"),
+    [
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+         b"{not json\n", "invalid_json_line"),
+        (b'{"method": "POST", "url": "/v1/chat/completions", "body": {}}\n',
+         "missing_required_parameter"),
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n',
+         "invalid_url"),
+        (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+         b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n',
+         "duplicate_custom_id"),
+        (b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n',
+         "invalid_method"),
+        (b'[1, 2]\n', "invalid_json_line"),
+        (b"\n\n", "empty_file"),
+        (b"\xff\xfe", None),
+    ],
+)
+def test_malformed_jsonl_rejected(client: openai.OpenAI, content: bytes, code: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as info:
+        upload(client, content)
+    err = info.value.response.json()["error"]
+    assert err["param"] == "file"
+    if code is not None:
+        assert err["code"] == code
+        assert "line" in err["message"] or code == "empty_file"
+
+
+def test_mismatched_endpoint_fails_batch(client: openai.OpenAI, server: LiveServer) -> None:
+    lines = [chat_line("a", server.model, "hi"),
+             {"custom_id": "b", "method": "POST", "url": "/v1/completions",
+              "body": {"model": server.model, "prompt": "x"}}]
+    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)),
+                                  endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_batch(client, batch.id)
+    assert done.status == "failed" and done.failed_at
+    assert done.errors is not None and done.errors.data
+    assert done.errors.data[0].line == 2 and done.errors.data[0].code == "mismatched_url"
+
+
+def test_bad_batch_requests(client: openai.OpenAI, server: LiveServer) -> None:
+    file_id = upload(client, jsonl([chat_line("a", server.model, "hi")]))
+    with pytest.raises(openai.NotFoundError):
+        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
+                              completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
+                              completion_window="24h")
+    with pytest.raises(openai.BadRequestError):
+        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                              completion_window="1h")  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):
+        client.batches.retrieve("batch_nope")
+    with pytest.raises(openai.NotFoundError):
+        client.batches.cancel("batch_nope")
+    with pytest.raises(openai.BadRequestError):
+        client.files.create(file=("x.txt", io.BytesIO(b"hi")), purpose="nonsense")  # type: ignore[arg-type]
+
+
+def test_files_crud(client: openai.OpenAI, server: LiveServer) -> None:
+    data = jsonl([chat_line("a", server.model, "hi")])
+    ids = [upload(client, data, f"f{i}.jsonl") for i in range(3)]
+    listed = [f.id for f in client.files.list(purpose="batch", limit=100)]
+    assert all(i in listed for i in ids)
+    assert listed.index(ids[2]) < listed.index(ids[0])  # newest first
+    assert client.files.content(ids[0]).content == data
+    assert client.files.retrieve(ids[1]).filename == "f1.jsonl"
+    deleted = client.files.delete(ids[1])
+    assert deleted.deleted and deleted.id == ids[1]
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(ids[1])
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(ids[1])
+    with pytest.raises(openai.NotFoundError):
+        client.files.delete(ids[1])
+
+
+def test_list_batches_paginates(client: openai.OpenAI, server: LiveServer) -> None:
+    file_id = upload(client, jsonl([chat_line("a", server.model, "hi", max_tokens=1)]))
+    made = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
+                                  completion_window="24h").id for _ in range(5)]
+    page = client.batches.list(limit=2)
+    assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
+    seen = [b.id for b in client.batches.list(limit=2)]  # auto-paginates with `after`
+    assert Counter(seen)[made[0]] == 1 and all(m in seen for m in made)
+    for b in made:
+        wait_batch(client, b)
+
+
+def test_cancel(start_server: Callable[..., LiveServer]) -> None:
+    live = start_server(batch_concurrency=2, max_num_seqs=2)
+    c = live.client()
+    lines = [chat_line(f"r{i}", live.model, "count to ten", max_tokens=200, ignore_eos=True)
+             for i in range(20)]
+    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    wait_batch(c, batch.id, until=("in_progress",))
+    cancelling = c.batches.cancel(batch.id)
+    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    done = wait_batch(c, batch.id)
+    assert done.status == "cancelled" and done.cancelled_at
+    out = read_lines(c, done.output_file_id)
+    errs = read_lines(c, done.error_file_id)
+    assert sorted(x["custom_id"] for x in out + errs) == sorted(f"r{i}" for i in range(20))
+    assert any(x["error"] and x["error"]["code"] == "batch_cancelled" for x in errs)
+    assert done.request_counts is not None and done.request_counts.completed == len(out)
+    assert wait_pool_whole(live)
+    with pytest.raises(openai.BadRequestError):
+        c.batches.cancel(wait_batch(c, c.batches.create(
+            input_file_id=upload(c, jsonl(lines[:1])), endpoint="/v1/chat/completions",
+            completion_window="24h").id).id)
