@@ -31,6 +31,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_waiting: int = 100_000
     seed: int = 0
+    # Session KV spilled from the pool goes to disk: here, to survive restarts (else a private
+    # temporary folder), at most `disk_cache_bytes` of it, least recently used dropped first.
+    cache_dir: str | None = None
+    disk_cache_bytes: int = 16 * GiB
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -39,5 +43,7 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.min_batch_size < 1 or self.batch_wait_s < 0:
             raise InvalidRequestError("min_batch_size must be >= 1 and batch_wait_s >= 0")
+        if self.disk_cache_bytes < 0:
+            raise InvalidRequestError("disk_cache_bytes must be >= 0")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")

@@ -2,31 +2,81 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from rich.progress import Progress
 
 from shoal.config import EngineConfig
 from shoal.engine.llm_engine import Engine, EngineStats
+from shoal.engine.sessions import SessionInfo
 from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
+SessionIds = str | Sequence[str | None] | None
+
+
+class Sessions:
+    """`llm.sessions`: list, inspect and drop agent sessions (in memory and on disk)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def list(self) -> list[SessionInfo]:
+        """Most recently used first."""
+        return self._engine.list_sessions()
+
+    def __iter__(self) -> Iterator[SessionInfo]:
+        return iter(self.list())
+
+    def __len__(self) -> int:
+        return len(self._engine.sessions)
+
+    def __contains__(self, session_id: object) -> bool:
+        return isinstance(session_id, str) and self.get(session_id) is not None
+
+    def get(self, session_id: str) -> SessionInfo | None:
+        return self._engine.session_info(session_id)
+
+    def __getitem__(self, session_id: str) -> SessionInfo:
+        info = self.get(session_id)
+        if info is None:
+            raise KeyError(session_id)
+        return info
+
+    def drop(self, session_id: str) -> bool:
+        """Forget the session's KV everywhere; False if there was no such session."""
+        return self._engine.drop_session(session_id)
+
+    def clear(self) -> None:
+        for info in self.list():
+            self.drop(info.session_id)
 
 
 class LLM:
     """Load a model and generate for many prompts at once with continuous batching.
 
     `model=None` loads the bundled SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf path.
+    `cache_dir` keeps agent sessions' KV on disk across restarts; `close()` (or leaving a `with`
+    block) saves what is unsaved.
     """
 
     def __init__(
-        self, model: str | None = None, *, dtype: str = "float32", block_size: int = 16, **kw: Any
+        self,
+        model: str | None = None,
+        *,
+        dtype: str = "float32",
+        block_size: int = 16,
+        cache_dir: str | None = None,
+        **kw: Any,
     ) -> None:
-        self.engine = Engine(EngineConfig(model=model, dtype=dtype, block_size=block_size, **kw))
+        self.engine = Engine(
+            EngineConfig(model=model, dtype=dtype, block_size=block_size, cache_dir=cache_dir, **kw)
+        )
+        self.sessions = Sessions(self.engine)
 
     @property
     def tokenizer(self) -> Any:
@@ -38,20 +88,31 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         use_tqdm: bool | None = None,
+        session_id: SessionIds = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in prompt order."""
+        """Generate for every prompt; outputs come back in prompt order.
+
+        `session_id` (one for all prompts, or one per prompt) lets each turn reuse the KV its
+        session kept from the previous one: pass the whole conversation as the prompt.
+        """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
-            prompts = [prompts]  # type: ignore[list-item]
-        prompt_list = list(prompts)  # type: ignore[arg-type]
+            prompts = [prompts]
+        prompt_list = list(prompts)
         if params is None or isinstance(params, SamplingParams):
             param_list = [params or SamplingParams()] * len(prompt_list)
         else:
             param_list = list(params)
             if len(param_list) != len(prompt_list):
                 raise InvalidRequestError("give one SamplingParams, or one per prompt")
-        return self._run(prompt_list, param_list, use_tqdm)
+        if session_id is None or isinstance(session_id, str):
+            session_list = [session_id] * len(prompt_list)
+        else:
+            session_list = list(session_id)
+            if len(session_list) != len(prompt_list):
+                raise InvalidRequestError("give one session_id, or one per prompt")
+        return self._run(prompt_list, param_list, use_tqdm, session_list)
 
     def chat(
         self,
@@ -59,11 +120,12 @@ class LLM:
         params: SamplingParams | None = None,
         *,
         use_tqdm: bool | None = None,
+        session_id: SessionIds = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm=use_tqdm)
+        return self.generate(prompts, params, use_tqdm=use_tqdm, session_id=session_id)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         tok = self.engine.tokenizer
@@ -73,10 +135,17 @@ class LLM:
         return self.engine.encode(text)
 
     def _run(
-        self, prompts: list[Prompt], params: list[SamplingParams], use_tqdm: bool | None
+        self,
+        prompts: list[Prompt],
+        params: list[SamplingParams],
+        use_tqdm: bool | None,
+        session_ids: list[str | None],
     ) -> list[RequestOutput]:
         engine = self.engine
-        ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+        ids = [
+            engine.add_request(p, sp, session_id=sid)
+            for p, sp, sid in zip(prompts, params, session_ids, strict=True)
+        ]
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(ids) >= 8
         with Progress(disable=not show, transient=True) as progress:

@@ -21,9 +21,11 @@ from shoal.engine.block_pool import BlockPool
 from shoal.engine.detokenizer import Detokenizer
 from shoal.engine.hashing import root_hash
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.kv_store import KVLayout, SessionStore
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence
+from shoal.engine.sessions import SessionInfo, SessionTable
 from shoal.errors import (
     EngineClosedError,
     InvalidRequestError,
@@ -48,6 +50,14 @@ class EngineStats:
     prefix_cache_hit_rate: float
     num_preemptions: int
     num_generated_tokens: int
+    num_sessions: int = 0
+    session_hits: int = 0  # session requests admitted reusing their session's KV
+    session_tokens_reused: int = 0  # prompt tokens of session requests not computed
+    session_tokens_recomputed: int = 0  # prompt tokens of session requests computed
+    disk_reads: int = 0
+    disk_writes: int = 0
+    restore_latency_p50_ms: float = 0.0  # disk read + validation + copy into the pool
+    restore_latency_p95_ms: float = 0.0
 
 
 class Engine:
@@ -73,14 +83,30 @@ class Engine:
         self.bytes_per_block = bytes_per_block
         self.pool = BlockPool(num_blocks, config.block_size)
         self.fingerprint = loaded.fingerprint
+        self.sessions = SessionTable()
         self.kv = KVCacheManager(
             self.pool,
             root_hash(f"{loaded.fingerprint}:{config.dtype}"),
             config.enable_prefix_caching,
+            self.sessions,
         )
         self.scheduler = Scheduler(config, self.kv, self.max_model_len)
         model = LlamaForCausalLM(loaded.config, loaded.weights, self.max_model_len)
         self.runner = ModelRunner(model, num_blocks, config.block_size, config.device)
+        cfg = loaded.config
+        layout = KVLayout(
+            self.fingerprint,
+            config.dtype,
+            config.block_size,
+            cfg.num_layers,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
+        self.store = SessionStore(
+            self.runner, self.sessions, layout, config.cache_dir, config.disk_cache_bytes
+        )
+        self.kv.io = self.store
+        self._save_lock = threading.Lock()
         self.detokenizer = Detokenizer(self.tokenizer)
         self._requests: dict[str, Sequence] = {}
         self._inbox: deque[tuple[str, Any]] = deque()
@@ -108,8 +134,15 @@ class Engine:
         request_id: str | None = None,
         *,
         priority: int = 0,
+        session_id: str | None = None,
     ) -> str:
-        """Validate and queue a request; returns its id. Raises typed errors for bad input."""
+        """Validate and queue a request; returns its id. Raises typed errors for bad input.
+
+        With `session_id`, the request reuses what its session holds (the KV of the session's
+        last turn) and leaves its own KV to the session; it waits while the session is busy.
+        """
+        if session_id is not None and (not isinstance(session_id, str) or not session_id):
+            raise InvalidRequestError("session_id must be a non-empty string")
         if self._closed:
             raise EngineClosedError("the engine is shut down")
         params = params or SamplingParams()
@@ -133,6 +166,7 @@ class Engine:
             prompt_token_ids=token_ids,
             params=params,
             priority=priority,
+            session_id=session_id,
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if params.seed is not None:
@@ -213,6 +247,7 @@ class Engine:
             wait = self.scheduler.should_wait_for_batch(time.monotonic())
             if wait > 0:
                 time.sleep(min(wait, 0.001))
+            self._save_if_closing()
             return outputs
         seqs, sampled = self.runner.execute(batch)
         now = time.monotonic()
@@ -238,11 +273,16 @@ class Engine:
             self.scheduler.finish(seq, reason)
             outputs.append(self._finish_output(seq))
         outputs += [self._output(s) for s in seqs if id(s) not in done]
+        self._save_if_closing()
         return outputs
+
+    def _save_if_closing(self) -> None:
+        if self._closed and not self.has_unfinished_requests():
+            self.save_sessions()  # the last request of a closing engine is done
 
     # -- control -------------------------------------------------------------------------
     def reset(self) -> list[RequestOutput]:
-        """Abort everything (design input 000's RefreshBatch); the pool is whole afterwards."""
+        """Abort everything (design input 000's RefreshBatch); only sessions keep blocks."""
         with self._lock:
             ids = list(self._requests)
         for request_id in ids:
@@ -252,10 +292,34 @@ class Engine:
         return outputs
 
     def close(self) -> None:
+        """Take no new requests; save unsaved session KV to `cache_dir` once nothing runs."""
         self._closed = True
+        self._save_if_closing()
+
+    # -- sessions ------------------------------------------------------------------------
+    def save_sessions(self) -> int:
+        """Write every session whose disk copy is missing or stale (only with a cache_dir)."""
+        with self._save_lock:
+            return self.store.flush()
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Every session held in memory or on disk, most recently used first."""
+        infos = [self.sessions.info(s) for s in self.sessions.sessions.values()]
+        return sorted(infos, key=lambda i: -i.last_used)
+
+    def session_info(self, session_id: str) -> SessionInfo | None:
+        session = self.sessions.get(session_id)
+        return self.sessions.info(session) if session is not None else None
+
+    def drop_session(self, session_id: str) -> bool:
+        """Forget a session's KV, in memory and on disk; call between steps. False if unknown."""
+        dropped = self.kv.drop_session(session_id) is not None
+        self.store.delete(session_id)
+        return dropped
 
     def stats(self) -> EngineStats:
         pool = self.pool
+        ss = self.sessions.stats
         return EngineStats(
             step_id=self.scheduler.step_id,
             num_running=len(self.scheduler.running),
@@ -267,4 +331,12 @@ class Engine:
             prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
+            num_sessions=len(self.sessions),
+            session_hits=ss.hits,
+            session_tokens_reused=ss.tokens_reused,
+            session_tokens_recomputed=ss.tokens_recomputed,
+            disk_reads=ss.disk_reads,
+            disk_writes=ss.disk_writes,
+            restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
+            restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
         )

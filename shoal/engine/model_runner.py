@@ -9,7 +9,7 @@ from shoal.engine.sampler import Sampled, sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
-from shoal.models.llama import LlamaForCausalLM
+from shoal.models.llama import Attention, LlamaForCausalLM
 
 
 class ModelRunner:
@@ -97,3 +97,20 @@ class ModelRunner:
             return [], Sampled([], None, None)
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
         return seqs, sample(logits, seqs)
+
+    # -- KV block moves for sessions (copy on write, the disk tier) ------------------------
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's `(k_cache, v_cache)`, `[num_blocks, block_size, kv_heads, head_dim]`."""
+        caches = []
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            assert isinstance(attn, Attention)
+            caches.append((attn.k_cache, attn.v_cache))
+        return caches
+
+    @torch.inference_mode()
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy one block's KV in every layer (a session's partial last block, on write)."""
+        for k, v in self.kv_caches():
+            k[dst].copy_(k[src])
+            v[dst].copy_(v[src])

@@ -7,6 +7,10 @@ unfinished prefill takes a chunk of what is left), then admits waiting ones in
 running request needs a block and none is free, the lowest-priority, newest running request
 is preempted: its blocks are freed (its cached prefix usually survives) and it goes back to
 the queue at its original place, to be recomputed later.
+
+A request whose session already has a request running, or waiting ahead of it, is deferred:
+it keeps its place and the requests behind it go on (skip, don't break), so one busy session
+cannot hold up the others, and it starts once its session is free.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from dataclasses import dataclass, field
 
 from shoal.config import EngineConfig
-from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.kv_cache_manager import KVCacheManager, PrefixHit
 from shoal.engine.sequence import Sequence, SequenceStatus
 
 
@@ -68,7 +72,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq.status is SequenceStatus.WAITING:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        self.kv.free(seq, keep=reason != "abort")  # an aborted turn leaves its session as is
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         del self._order[id(seq)]
@@ -116,18 +120,25 @@ class Scheduler:
                 i += 1
 
         if not batch.preempted:
+            busy = {s.session_id for s in self.running if s.session_id is not None}
             j = 0
             while j < len(self.waiting) and budget > 0:
                 if len(self.running) >= self.config.max_num_seqs:
                     break
                 seq = self.waiting[j]
-                hits = self.kv.find_cached_prefix(seq)
-                n = min(seq.num_tokens - len(hits) * self.kv.block_size, budget)
-                if not self.kv.allocate(seq, n, hits):
+                if seq.session_id is not None:
+                    if seq.session_id in busy:
+                        j += 1  # deferred: it keeps its place, the requests behind it go on
+                        continue
+                    busy.add(seq.session_id)
+                admitted = self._admit(seq, budget)
+                if admitted is None:
                     break  # keep FIFO: a later request may not jump ahead for memory
+                n, hit = admitted
                 if seq.num_preemptions == 0:
                     seq.num_cached_tokens = seq.num_computed_tokens
                     self.kv.record_admission(seq, seq.num_computed_tokens)
+                self.kv.pin(seq, hit)
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=self._key)
@@ -140,3 +151,17 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             seq.num_computed_tokens += n
         return batch
+
+    def _admit(self, seq: Sequence, budget: int) -> tuple[int, PrefixHit] | None:
+        """Allocate a waiting request's first chunk after its reusable prefix; None: no room."""
+        hit = self.kv.find_prefix(seq)
+        n = min(seq.num_tokens - hit.num_tokens, budget)
+        if self.kv.allocate_hit(seq, n, hit):
+            return n, hit
+        if hit.session is None or self.running:
+            return None
+        # Alone in an idle engine, only its own session's blocks can stand in the way.
+        self.kv.evict_session(hit.session)
+        hit = self.kv.find_prefix(seq, use_session=False)
+        n = min(seq.num_tokens - hit.num_tokens, budget)
+        return (n, hit) if self.kv.allocate_hit(seq, n, hit) else None
