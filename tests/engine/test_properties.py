@@ -1,0 +1,257 @@
+"""Property test: random arrivals, steps and aborts on a tiny pool never lose or corrupt a block.
+
+The real `Engine` runs (inbox, scheduler, KV manager, block pool, stop checks) with its model
+runner replaced by a fake that simulates the KV cache: every slot remembers which token prefix
+wrote it. Before each step the fake checks that a sequence's context slots hold its own tokens
+(so a prefix hit, a preemption or a reused block never hands it someone else's KV) and that it
+writes only to blocks it holds alone. The fake "model" picks the next token from the whole
+token history, so a recomputed request must reproduce exactly what it would have said alone.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from shoal.config import EngineConfig
+from shoal.engine.llm_engine import Engine
+from shoal.engine.sampler import Sampled
+from shoal.engine.scheduler import ScheduledBatch
+from shoal.engine.sequence import Sequence, SequenceStatus
+from shoal.errors import PromptTooLongError
+from shoal.sampling_params import SamplingParams
+
+EOS = 2  # the tiny models' eos_token_id
+FAKE_VOCAB = 24  # small, so EOS and stop tokens come up often
+PREFIXES = [[5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16], [5, 6, 7, 8, 20, 21, 22, 23], [30] * 12]
+
+
+def prefix_key(tokens: list[int]) -> int:
+    h = 0
+    for t in tokens:
+        h = hash((h, t))
+    return h
+
+
+def fake_next_token(tokens: list[int]) -> int:
+    return prefix_key(tokens) % FAKE_VOCAB
+
+
+class SimulatedKVRunner:
+    """Stands in for ModelRunner: checks what a step reads, records what it writes."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> key of the prefix
+        self.num_steps = 0
+
+    def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
+        pool = self.engine.pool
+        bs = pool.block_size
+        self.num_steps += 1
+        assert batch.num_tokens <= self.engine.config.max_num_batched_tokens
+        assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
+        written: set[tuple[int, int]] = set()
+        out_seqs, out_tokens = [], []
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens, strict=True):
+            assert n > 0 and seq.status is SequenceStatus.RUNNING
+            assert start + n <= seq.num_tokens
+            table = seq.block_table
+            assert len(table) * bs >= start + n
+            tokens = seq.token_ids()
+            key = 0
+            for p in range(start + n):
+                key = hash((key, tokens[p]))
+                slot = (table[p // bs], p % bs)
+                if p < start:
+                    assert self.slots.get(slot) == key, f"{seq.request_id}: bad KV at {p}"
+                else:
+                    block = pool.blocks[slot[0]]
+                    assert block.ref_cnt == 1, "writing into a shared block"
+                    assert block.hash is None, "writing into a published block"
+                    assert slot not in written
+                    written.add(slot)
+                    self.slots[slot] = key
+            if start + n == seq.num_tokens:
+                out_seqs.append(seq)
+                out_tokens.append(fake_next_token(tokens))
+        return out_seqs, Sampled(out_tokens, None, None)
+
+
+def check_pool(engine: Engine) -> None:
+    pool = engine.pool
+    sched = engine.scheduler
+    holders = Counter(b for s in sched.running + sched.waiting for b in s.block_table)
+    for block in pool.blocks:
+        assert block.ref_cnt == holders[block.block_id], "ref count != number of holders"
+        assert pool.is_free(block.block_id) == (block.ref_cnt == 0)
+        if block.hash is not None:
+            assert pool.lookup(block.hash) == block.block_id
+    assert pool.num_free + pool.num_used == pool.num_blocks
+    assert pool.num_free == sum(1 for b in pool.blocks if b.ref_cnt == 0)
+    for seq in sched.waiting:
+        assert seq.block_table == [] and seq.num_computed_tokens == 0
+        assert seq.status is SequenceStatus.WAITING
+    for seq in sched.running:
+        assert len(seq.block_table) * pool.block_size >= seq.num_computed_tokens
+        assert seq.status is SequenceStatus.RUNNING
+        assert len(set(seq.block_table)) == len(seq.block_table)
+    assert len(sched.running) <= engine.config.max_num_seqs
+
+
+def guard_allocate(engine: Engine) -> None:
+    """Fail if the pool ever hands out a block that somebody still holds."""
+    pool = engine.pool
+    original = pool.allocate
+
+    def allocate(n: int) -> list[int]:
+        free_before = {b.block_id for b in pool.blocks if b.ref_cnt == 0}
+        got = original(n)
+        assert len(set(got)) == n and set(got) <= free_before, "allocated a pinned block"
+        return got
+
+    pool.allocate = allocate  # type: ignore[method-assign]
+
+
+def reference_output(prompt: list[int], params: SamplingParams, max_model_len: int) -> list[int]:
+    tokens = list(prompt)
+    out: list[int] = []
+    while True:
+        t = fake_next_token(tokens)
+        tokens.append(t)
+        out.append(t)
+        if t in params.stop_token_ids or (not params.ignore_eos and t == EOS):
+            return out
+        if len(out) >= params.max_tokens or len(tokens) >= max_model_len:
+            return out
+
+
+prompts = st.builds(
+    lambda group, cut, tail: (
+        ((PREFIXES[group] if group < len(PREFIXES) else []) + tail)[:cut] or [3]
+    ),
+    st.integers(0, len(PREFIXES)),
+    st.integers(1, 16),
+    st.lists(st.integers(3, FAKE_VOCAB - 1), max_size=12),
+)
+requests = st.tuples(
+    prompts,
+    st.integers(1, 12),  # max_tokens
+    st.booleans(),  # ignore_eos
+    st.lists(st.integers(0, FAKE_VOCAB - 1), max_size=2),  # stop_token_ids
+)
+# One round: some arrivals, maybe an abort (of any id, known or not), rarely a reset, then
+# a few steps.
+rounds = st.lists(
+    st.tuples(
+        st.lists(requests, max_size=4),
+        st.lists(st.integers(0, 30), max_size=1),
+        st.integers(0, 19).map(lambda x: x == 0),
+        st.integers(0, 3),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@st.composite
+def engine_configs(draw: st.DrawFn) -> dict:
+    block_size = draw(st.sampled_from([1, 2, 4]))
+    # A pool of 8 to 48 tokens: most requests fit alone, few fit together.
+    num_blocks = draw(st.integers(8, 48)) // block_size
+    return {
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "max_num_batched_tokens": draw(st.sampled_from([1, 3, 8, 64])),
+        "max_num_seqs": draw(st.integers(1, 6)),
+        "max_model_len": draw(st.sampled_from([16, 32, 64])),
+        "enable_prefix_caching": draw(st.booleans()),
+    }
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tiny_model_dir) -> str:
+    return str(tiny_model_dir("llama"))
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(config=engine_configs(), ops=rounds)
+def test_random_workloads_keep_the_pool_whole(tiny_path: str, config: dict, ops: list) -> None:
+    engine = Engine(EngineConfig(model=tiny_path, dtype="float32", batch_wait_s=0.0, **config))
+    engine.runner = SimulatedKVRunner(engine)  # type: ignore[assignment]
+    guard_allocate(engine)
+    block_size, num_blocks = config["block_size"], config["num_blocks"]
+    max_len = engine.max_model_len
+    submitted: dict[str, tuple[list[int], SamplingParams]] = {}
+    final: dict[str, Any] = {}
+
+    def collect(outputs: list) -> None:
+        for out in outputs:
+            assert out.request_id in submitted
+            if out.finished:
+                assert out.request_id not in final, "finished twice"
+                final[out.request_id] = out
+
+    def step() -> None:
+        collect(engine.step())
+        check_pool(engine)
+
+    for arrivals, aborts, reset, num_steps in ops:
+        for prompt, max_tokens, ignore_eos, stop_ids in arrivals:
+            params = SamplingParams(
+                temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, stop_token_ids=stop_ids
+            )
+            longest = min(len(prompt) + max_tokens, max_len)
+            fits = len(prompt) < max_len and -(-longest // block_size) <= num_blocks
+            rid = f"r{len(submitted)}"
+            if fits:
+                assert engine.add_request(prompt, params, request_id=rid) == rid
+                submitted[rid] = (prompt, params)
+            else:
+                with pytest.raises(PromptTooLongError):
+                    engine.add_request(prompt, params, request_id=rid)
+        for i in aborts:
+            engine.abort(f"r{i}")  # unknown, future or finished ids are ignored
+        if reset:
+            collect(engine.reset())
+            check_pool(engine)
+            assert engine.pool.num_free == num_blocks
+        for _ in range(num_steps):
+            step()
+
+    # Every request finishes: nothing deadlocks, nothing that fits alone is failed.
+    budget = 50 + sum(len(p) + sp.max_tokens for p, sp in submitted.values()) * 4
+    for _ in range(budget):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    else:
+        pytest.fail("requests never finished")
+    collect(engine.step())  # aborts queued after the last step
+    assert set(final) == set(submitted)
+    for rid, out in final.items():
+        prompt, params = submitted[rid]
+        ref = reference_output(prompt, params, max_len)
+        if out.finish_reason == "abort":
+            assert out.token_ids == ref[: len(out.token_ids)]
+        else:
+            assert out.token_ids == ref, rid
+            last = ref[-1]
+            stopped = last in params.stop_token_ids or (not params.ignore_eos and last == EOS)
+            assert out.finish_reason == ("stop" if stopped else "length")
+    assert engine.pool.num_free == engine.pool.num_blocks
+    assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
+    stats = engine.stats()
+    event(f"preempted: {stats.num_preemptions > 0}")
+    event(f"prefix hits: {stats.prefix_cache_hit_rate > 0}")
+    event(f"aborted: {any(o.finish_reason == 'abort' for o in final.values())}")
+    event(f"requests: {min(len(submitted), 5)}+")
+    assert stats.num_running == stats.num_waiting == 0 and stats.blocks_used == 0
