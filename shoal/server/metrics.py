@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -51,10 +52,13 @@ class _EngineCollector(Collector):
                                   value=s.num_generated_tokens)
         yield CounterMetricFamily("shoal_num_preemptions", "Requests preempted.",
                                   value=s.num_preemptions)
-        for name in ("session_hits", "num_session_hits", "session_hit_rate"):
-            value = getattr(s, name, None)
-            if isinstance(value, int | float):
-                yield gauge(name, f"Engine session statistic {name}.", float(value))
+        known = {"step_id", "num_running", "num_waiting", "blocks_used", "blocks_free",
+                 "kv_bytes_used", "kv_utilization", "prefix_cache_hit_rate",
+                 "num_preemptions", "num_generated_tokens"}
+        for f in dataclasses.fields(s):  # newer engine statistics (sessions, disk cache...)
+            value = getattr(s, f.name)
+            if f.name not in known and isinstance(value, int | float):
+                yield gauge(f.name, f"Engine statistic {f.name}.", float(value))
 
 
 class ServerMetrics:

@@ -178,8 +178,6 @@ def test_raw_error_statuses(server: LiveServer) -> None:
     assert r.status_code == 400
     r = httpx.post(url, content=b"x" * (9 << 20), headers={"content-type": "application/json"})
     assert r.status_code == 413
-    r = httpx.post(url, json={"model": server.model, "prompt": "hi", "session_id": "s1"})
-    assert r.status_code in (200, 400)  # 400 until the engine grows sessions
     assert httpx.get(f"{server.url}/v1/nothing").status_code == 404
     assert httpx.get(f"{server.url}/health").json()["status"] == "ok"
 
@@ -231,3 +229,32 @@ def test_queue_full_is_429(start_server: Callable[..., LiveServer]) -> None:
         assert r2.status_code == 429
         assert r2.headers["retry-after"] == "1"
         assert r2.json()["error"]["type"] == "rate_limit_exceeded"
+
+
+def test_sessions(start_server: Callable[..., LiveServer]) -> None:
+    """`session_id` (body) or `X-Session-Id` (header) reaches the engine's sessions."""
+    live = start_server()
+    url = f"{live.url}/v1/chat/completions"
+    body = {"model": live.model, "messages": USER, "max_tokens": 4, "temperature": 0}
+    first = httpx.post(url, json={**body, "session_id": "s1"})
+    if not live.state.supports_sessions:
+        assert first.status_code == 400 and first.json()["error"]["param"] == "session_id"
+        return
+    assert first.status_code == 200, first.text
+    turn2 = body["messages"] + [first.json()["choices"][0]["message"],
+                                {"role": "user", "content": "again"}]
+    second = httpx.post(url, json={**body, "messages": turn2}, headers={"X-Session-Id": "s1"})
+    assert second.status_code == 200, second.text
+    assert "shoal_session_hits" in httpx.get(f"{live.url}/metrics").text
+
+
+def test_503_while_shutting_down(start_server: Callable[..., LiveServer]) -> None:
+    live = start_server()
+    live.state.shutting_down = True  # what SIGTERM sets before uvicorn drains connections
+    try:
+        r = httpx.post(f"{live.url}/v1/completions", json={"model": live.model, "prompt": "x"})
+        assert r.status_code == 503 and "retry-after" in r.headers
+        assert r.json()["error"]["type"] == "service_unavailable"
+        assert httpx.get(f"{live.url}/health").status_code == 503
+    finally:
+        live.state.shutting_down = False

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 from batch_helpers import chat_line, jsonl, read_lines, upload, wait_batch
 from server_harness import SpawnedServer
 
@@ -80,3 +83,22 @@ def test_sigterm_checkpoints_and_resumes(
     assert "Traceback" not in srv.log.read_text()
     srv2 = spawn_server(data)
     _check_complete(srv2, batch_id)
+
+
+def test_sigterm_lets_inflight_streams_finish(
+    spawn_server: Callable[..., SpawnedServer], tmp_path: Path
+) -> None:
+    srv = spawn_server(tmp_path / "data")
+    model = srv.client().models.list().data[0].id
+    body = {"model": model, "prompt": "Hello", "max_tokens": 150, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        assert next(lines).startswith("data: ")
+        srv.proc.send_signal(signal.SIGTERM)  # shutdown begins mid-stream
+        for line in lines:
+            if line.startswith("data: {"):
+                usage = json.loads(line[6:]).get("usage") or usage
+    assert usage is not None and usage["completion_tokens"] == 150
+    assert srv.proc.wait(timeout=60) in (0, -15)
