@@ -57,12 +57,13 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
     if f["purpose"] != "batch":
         raise APIError(400, "the input file must have purpose 'batch'", param="input_file_id")
     now = int(time.time())
+    window = state.config.batch_window_s or WINDOWS[req.completion_window]
     obj: dict[str, Any] = {
         "id": new_id("batch_"), "object": "batch", "endpoint": req.endpoint,
         "errors": None, "input_file_id": req.input_file_id,
         "completion_window": req.completion_window, "status": "validating",
         "output_file_id": None, "error_file_id": None, "created_at": now,
-        "in_progress_at": None, "expires_at": now + WINDOWS[req.completion_window],
+        "in_progress_at": None, "expires_at": now + window,
         "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
         "cancelling_at": None, "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},

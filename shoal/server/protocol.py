@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -27,7 +27,7 @@ class _Sampling(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     n: int | None = Field(1, ge=1, le=MAX_CHOICES)
     seed: int | None = Field(None, ge=-(2**63), le=2**63 - 1)
-    stop: str | list[str] | None = Field(None, max_length=4)
+    stop: str | Annotated[list[str], Field(max_length=4)] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)

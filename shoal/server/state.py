@@ -35,6 +35,7 @@ class ServerConfig:
     max_batch_lines: int = 50_000
     batch_concurrency: int = 0  # batch requests in flight at once; 0 = 2 x max_num_seqs
     batch_priority: int = 1
+    batch_window_s: int | None = None  # overrides the 24h completion window (tests, operators)
     drain_timeout_s: float = 10.0
     batch_grace_s: float = 2.0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -185,3 +186,42 @@ def test_cancel(start_server: Callable[..., LiveServer]) -> None:
         c.batches.cancel(wait_batch(c, c.batches.create(
             input_file_id=upload(c, jsonl(lines[:1])), endpoint="/v1/chat/completions",
             completion_window="24h").id).id)
+
+
+def test_expiry(start_server: Callable[..., LiveServer]) -> None:
+    live = start_server(batch_concurrency=1, max_num_seqs=1, batch_window_s=1)
+    c = live.client()
+    lines = [chat_line(f"r{i}", live.model, "count", max_tokens=150, ignore_eos=True)
+             for i in range(30)]
+    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    done = wait_batch(c, batch.id)
+    assert done.status == "expired" and done.expired_at
+    out = read_lines(c, done.output_file_id)
+    errs = read_lines(c, done.error_file_id)
+    assert sorted(x["custom_id"] for x in out + errs) == sorted(f"r{i}" for i in range(30))
+    expired = [x for x in errs if x["error"] and x["error"]["code"] == "batch_expired"]
+    assert expired and all(x["response"] is None for x in expired)
+    assert done.request_counts is not None and done.request_counts.completed == len(out)
+    assert wait_pool_whole(live)
+
+
+def test_interactive_overtakes_batch(start_server: Callable[..., LiveServer]) -> None:
+    """Batch lines wait in the engine at priority 1; an interactive request (priority 0)
+    goes ahead of them instead of queueing behind."""
+    live = start_server(batch_concurrency=4, max_num_seqs=1)
+    c = live.client()
+    lines = [chat_line(f"r{i}", live.model, "count", max_tokens=80, ignore_eos=True)
+             for i in range(8)]
+    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
+                             endpoint="/v1/chat/completions", completion_window="24h")
+    wait_batch(c, batch.id, until=("in_progress",))
+    deadline = time.monotonic() + 30
+    while live.state.engine.stats().num_waiting < 3:  # one running, three queued
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    c.chat.completions.create(model=live.model, messages=[{"role": "user", "content": "hi"}],
+                              max_tokens=4, temperature=0)
+    counts = c.batches.retrieve(batch.id).request_counts
+    assert counts is not None and counts.completed <= 2, counts
+    assert wait_batch(c, batch.id).status == "completed"

@@ -105,6 +105,9 @@ def test_stop_strings(client: openai.OpenAI, server: LiveServer) -> None:
     ).choices[0]
     assert cut.finish_reason == "stop"
     assert cut.text == base[: base.index(stop)]
+    long_stop = client.completions.create(model=server.model, prompt="Hello", max_tokens=16,
+                                          temperature=0, stop=base[2:9]).choices[0]
+    assert long_stop.text == base[: base.index(base[2:9])]
 
 
 def test_logprobs(client: openai.OpenAI, server: LiveServer) -> None:
