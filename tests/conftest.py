@@ -54,7 +54,37 @@ TINY_KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "qwen3": ("Qwen3Config", {"tie_word_embeddings": True, "head_dim": 16}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": False}),
+    "mistral": ("MistralConfig", {"tie_word_embeddings": False, "sliding_window": None}),
 }
+
+# A chat template for the tiny word-level tokenizer: "user w5 w6 assistant".
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
+    "{% if add_generation_prompt %}assistant{% endif %}"
+)
+
+
+def tiny_words() -> list[str]:
+    """The tiny tokenizer's vocabulary: ids 0-2 are special, then short distinct words."""
+    words = ["<pad>", "<s>", "</s>", "user", "assistant", "system"]
+    words += [f"w{i}" for i in range(TINY_VOCAB - len(words))]
+    return words
+
+
+def save_tiny_tokenizer(path: Path) -> None:
+    """A word-level tokenizer over `tiny_words()` (decodes with spaces), with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(tiny_words())}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="removed")
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = TINY_CHAT_TEMPLATE
+    fast.save_pretrained(path)
 
 
 def build_tiny_model(kind: str, path: Path) -> Path:
@@ -73,16 +103,35 @@ def build_tiny_model(kind: str, path: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """`tiny_model_dir("llama")` -> a cached folder; kinds: see TINY_KINDS."""
-    cache: dict[str, Path] = {}
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_model_dir("llama")` -> a cached folder; kinds: see TINY_KINDS.
 
-    def get(kind: str = "llama") -> Path:
-        if kind not in cache:
-            cache[kind] = build_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
-        return cache[kind]
+    `tiny_model_dir("llama", tokenizer=True)` adds a word-level tokenizer (see `tiny_words`)
+    with a chat template, so string prompts, stop strings and `chat()` work too.
+    """
+    cache: dict[tuple[str, bool], Path] = {}
+
+    def get(kind: str = "llama", tokenizer: bool = False) -> Path:
+        key = (kind, tokenizer)
+        if key not in cache:
+            path = build_tiny_model(kind, tmp_path_factory.mktemp(f"tiny-{kind}"))
+            if tokenizer:
+                save_tiny_tokenizer(path)
+            cache[key] = path
+        return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def bundled_llm() -> Any:
+    """The real bundled SmolLM2-135M-Instruct, loaded once per session (about 12 s).
+
+    Tests must leave it idle (every request finished) for the next user.
+    """
+    from shoal import LLM
+
+    return LLM(kv_cache_bytes=256 << 20)
 
 
 @pytest.fixture(scope="session")
