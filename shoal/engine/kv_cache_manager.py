@@ -109,14 +109,24 @@ class KVCacheManager:
         On success the hit blocks join the table and `num_computed_tokens` covers them.
         """
         hits = hits or []
-        return self.allocate_hit(seq, num_new_tokens, PrefixHit(hits, len(hits) * self.block_size))
+        hit = PrefixHit(hits, len(hits) * self.block_size)
+        return self.allocate_hit(seq, num_new_tokens, hit, evict_pinned=True)
 
-    def allocate_hit(self, seq: Sequence, num_new_tokens: int, hit: PrefixHit) -> bool:
-        """`allocate` for a `PrefixHit`: idle sessions are evicted if blocks run short."""
+    def allocate_hit(
+        self, seq: Sequence, num_new_tokens: int, hit: PrefixHit, evict_pinned: bool = False
+    ) -> bool:
+        """`allocate` for a `PrefixHit`: idle sessions are evicted if blocks run short.
+
+        `evict_pinned` (a running request growing) may also evict the sessions of running
+        requests: what they still hold beyond the blocks lent to their request, which keeps
+        its own reference, is better spilled than a request preempted.
+        """
         covered = seq.num_computed_tokens + hit.num_tokens + num_new_tokens
         num_new_blocks = self.blocks_needed(covered) - len(seq.block_table) - len(hit.blocks)
         self.pool.touch(hit.blocks)  # held from here on, so no eviction below can take them
-        if num_new_blocks > self.pool.num_free and not self.make_room(num_new_blocks, hit.session):
+        if num_new_blocks > self.pool.num_free and not self.make_room(
+            num_new_blocks, hit.session, evict_pinned
+        ):
             self.pool.free(reversed(hit.blocks))
             return False
         seq.block_table.extend(hit.blocks)
@@ -147,17 +157,21 @@ class KVCacheManager:
         if hit.session is not None and seq.num_preemptions == 0:
             self.sessions.stats.hits += 1
 
-    def make_room(self, num_blocks: int, protect: Session | None = None) -> bool:
-        """Evict idle sessions, least recently used first, until `num_blocks` are free."""
+    def make_room(
+        self, num_blocks: int, protect: Session | None = None, evict_pinned: bool = False
+    ) -> bool:
+        """Evict sessions, idle ones least recently used first, until `num_blocks` are free."""
         while self.pool.num_free < num_blocks:
-            victim = self.sessions.idle_lru(protect)
+            victim = self.sessions.lru(protect) or (
+                self.sessions.lru(protect, pinned=True) if evict_pinned else None
+            )
             if victim is None:
                 return False
             self.evict_session(victim)
         return True
 
     def evict_session(self, session: Session) -> None:
-        """Spill an idle session's KV to disk (unless already there) and give its blocks back."""
+        """Spill a session's KV to disk (unless already there) and give its blocks back."""
         if not session.saved and self.io is not None and self.io.save(session):
             session.on_disk = session.saved = True
         self.pool.free(reversed(session.block_ids))

@@ -2,9 +2,11 @@
 
 A session keeps the token ids of its last turn and the pool blocks holding their KV, with one
 reference on each block, so idle session KV is not churned by the prefix cache (SGLang's
-`lock_ref`). A session is pinned while one of its requests is in the running batch; an idle
-session is an eviction candidate, least recently used first, and is spilled to the disk tier
-through `SessionIO` rather than lost. The KV manager and the scheduler only see this module
+`lock_ref`). A session is pinned while one of its requests is in the running batch (the
+request holds its own reference on every block it uses, so eviction never touches those). Idle
+sessions are evicted first, least recently used first, and spilled to the disk tier through
+`SessionIO` rather than lost; what a pinned session holds beyond its request's blocks goes
+only when the alternative is preempting a running request. The KV manager and the scheduler only see this module
 and the `SessionIO` protocol; the torch side (copies, safetensors files) lives in `kv_store`.
 """
 
@@ -102,12 +104,14 @@ class SessionTable:
     def drop(self, session_id: str) -> Session | None:
         return self.sessions.pop(session_id, None)
 
-    def idle_lru(self, protect: Session | None = None) -> Session | None:
-        """The least recently used resident session that no running request pins."""
-        idle = [
-            s for s in self.sessions.values() if s.resident and not s.running and s is not protect
+    def lru(self, protect: Session | None = None, pinned: bool = False) -> Session | None:
+        """The least recently used resident session: idle ones only, unless `pinned`."""
+        candidates = [
+            s
+            for s in self.sessions.values()
+            if s.resident and (pinned or not s.running) and s is not protect
         ]
-        return min(idle, key=lambda s: s.last_used) if idle else None
+        return min(candidates, key=lambda s: s.last_used) if candidates else None
 
     def info(self, session: Session) -> SessionInfo:
         return SessionInfo(
