@@ -70,20 +70,19 @@ class ModelRunner:
                 logit_rows.append(q_start + n - 1)
                 sampled_seqs.append(seq)
 
-        decode_block_tables = decode_mask = None
+        decode_block_tables = decode_lens_t = None
         if decode_tables:
             width = max(len(t) for t in decode_tables)
             padded = np.zeros((len(decode_tables), width), dtype=np.int64)
             for r, t in enumerate(decode_tables):
                 padded[r, : len(t)] = t
             decode_block_tables = self._tensor(padded)
-            key_pos = torch.arange(width * bs, device=self.device)
-            decode_mask = (key_pos[None, :] < self._tensor(decode_lens)[:, None])[:, None, None, :]
+            decode_lens_t = self._tensor(decode_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(np.concatenate(slots)),
             num_decodes=len(decode_tables),
             decode_block_tables=decode_block_tables,
-            decode_mask=decode_mask,
+            decode_lens=decode_lens_t,
             prefills=prefills,
         )
         return self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logit_rows, sampled_seqs

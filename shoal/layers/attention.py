@@ -2,8 +2,9 @@
 
 The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step writes the
 new keys and values to their slots, then every query attends to its own sequence's blocks:
-decodes as one padded batch gathered by block table, prefill chunks one sequence at a time
-(with a causal mask offset by the tokens already cached).
+decodes in one call (the C++ kernel reads blocks in place; the torch fallback gathers them
+into a padded batch), prefill chunks one sequence at a time with a causal mask offset by the
+tokens already cached.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from shoal.layers import cpu_kernels
 
 
 @dataclass(slots=True)
@@ -30,7 +33,7 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] flat cache slot of each new token
     num_decodes: int  # the first rows of the batch are single-token decodes
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_blocks * block_size], True = attend
+    decode_lens: torch.Tensor | None  # [num_decodes] tokens each decode attends to
     prefills: list[PrefillChunk]
 
 
@@ -52,17 +55,13 @@ def paged_attention(
 
     b = meta.num_decodes
     if b:
-        assert meta.decode_block_tables is not None and meta.decode_mask is not None
-        keys = k_cache[meta.decode_block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        values = v_cache[meta.decode_block_tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        out[:b] = F.scaled_dot_product_attention(
-            q[:b].unsqueeze(2),
-            keys,
-            values,
-            attn_mask=meta.decode_mask.expand(b, heads, 1, -1),
-            scale=scale,
-            enable_gqa=True,
-        ).squeeze(2)
+        assert meta.decode_block_tables is not None and meta.decode_lens is not None
+        if cpu_kernels.paged_decode_available(q):
+            cpu_kernels.paged_decode(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, out[:b], scale
+            )
+        else:
+            out[:b] = _gathered_decode(q[:b], k_cache, v_cache, meta, scale)
 
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
@@ -81,3 +80,29 @@ def paged_attention(
             enable_gqa=True,
         ).transpose(0, 1)
     return out
+
+
+def _gathered_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Reference decode path: gather each sequence's blocks into a padded batch."""
+    assert meta.decode_block_tables is not None and meta.decode_lens is not None
+    b, heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    tables = meta.decode_block_tables
+    keys = k_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+    values = v_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+    key_pos = torch.arange(keys.shape[2], device=q.device)
+    mask = (key_pos[None, :] < meta.decode_lens[:, None])[:, None, None, :]
+    return F.scaled_dot_product_attention(
+        q.unsqueeze(2),
+        keys,
+        values,
+        attn_mask=mask.expand(b, heads, 1, -1),
+        scale=scale,
+        enable_gqa=True,
+    ).squeeze(2)

@@ -1,0 +1,110 @@
+"""The C++ CPU kernels: compiled with the system's C++ compiler on first use, called by ctypes.
+
+No torch headers are involved, so a build takes about a second; the library is cached under
+`$SHOAL_CACHE_DIR` (default `~/.cache/shoal`) keyed by source, compiler and CPU. Without a
+compiler (or with `SHOAL_DISABLE_CPU_KERNELS=1`) callers fall back to the pure-torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+_FUNCS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
+
+
+def _cpu_id() -> str:
+    try:
+        return next(
+            line for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("flags")
+        )
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    if os.environ.get("SHOAL_DISABLE_CPU_KERNELS"):
+        return None
+    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    if cxx is None:
+        log.warning("no C++ compiler found: using the slower pure-torch decode attention")
+        return None
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SHOAL_CACHE_DIR", "~/.cache/shoal")).expanduser() / "kernels"
+    lib_path = cache / f"paged_decode-{key}.so"
+    if not lib_path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        try:
+            subprocess.run(
+                [cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True
+            )
+            os.replace(tmp, lib_path)  # atomic: concurrent builders never see a partial file
+        except (OSError, subprocess.CalledProcessError) as e:
+            Path(tmp).unlink(missing_ok=True)
+            log.warning("building the CPU kernels failed (%s): using pure torch", e)
+            return None
+    lib = ctypes.CDLL(str(lib_path))
+    for name in _FUNCS.values():
+        fn = getattr(lib, name)
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [
+            ctypes.c_double,
+            ctypes.c_int64,
+        ]
+    return lib
+
+
+def paged_decode_available(q: torch.Tensor) -> bool:
+    return q.device.type == "cpu" and q.dtype in _FUNCS and load() is not None
+
+
+def paged_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """out[b] = attention of q[b] ([heads, dim]) over the first context_lens[b] cached tokens."""
+    lib = load()
+    assert lib is not None
+    for t in (q, k_cache, v_cache, block_tables, context_lens, out):
+        assert t.is_contiguous()
+    batch, heads, dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    getattr(lib, _FUNCS[q.dtype])(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        context_lens.data_ptr(),
+        out.data_ptr(),
+        batch,
+        heads,
+        kv_heads,
+        dim,
+        block_size,
+        block_tables.shape[1],
+        scale,
+        torch.get_num_threads(),
+    )
