@@ -8,11 +8,19 @@ decoding is deterministic and comparable token for token with transformers.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+# One thread per pool unless the caller says otherwise. The engine runs products through
+# NumPy's OpenBLAS and the rest through torch; on a busy 2-core machine their two spinning
+# thread pools fight, and a SmolLM2 decode step went from 0.02 s to 3.5 s. Set before torch
+# and NumPy are imported (test modules import them after this file).
+for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_var, "1")
 
 TINY_VOCAB = 320
 TINY_MAX_POSITIONS = 512
@@ -145,6 +153,8 @@ def tiny_hf_model() -> Callable[[Path], Any]:
             import transformers
 
             model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+            # Compare with ignore_eos=True: generate() runs to max_new_tokens, EOS or not.
+            model.generation_config.eos_token_id = None
             cache[path] = model.eval()
         return cache[path]
 

@@ -35,11 +35,10 @@ def hf_greedy(hf_model: Any, path: Path, prompt: list[int], n: int) -> list[int]
                 attention_mask=torch.ones_like(ids),
                 do_sample=False,
                 max_new_tokens=n,
-                min_new_tokens=n,
                 pad_token_id=0,
-                eos_token_id=None,
             )
         _HF_CACHE[key] = out[0, len(prompt) :].tolist()
+        assert len(_HF_CACHE[key]) == n
     return _HF_CACHE[key]
 
 
