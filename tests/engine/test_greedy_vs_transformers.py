@@ -101,7 +101,7 @@ def check_against_hf(
         assert out.token_ids == hf_greedy(hf_model, path, prompt, n), rid
 
 
-ALL_KINDS = ["llama", "llama-tied", "llama3-rope", "qwen3", "qwen2"]
+ALL_KINDS = ["llama", "llama-tied", "llama3-rope", "qwen3", "qwen2", "mistral"]
 
 
 @pytest.mark.parametrize("kind", ALL_KINDS)
