@@ -5,7 +5,7 @@ The same workload runs twice on the same model and engine settings: first throug
 `shoal` server started in a subprocess on 127.0.0.1. Prompts are token ids (no tokenizer
 differences), greedy, EOS ignored, so both runs generate exactly the same number of tokens.
 
-    .venv/bin/python benchmarks/http_vs_inprocess.py --num-requests 128 --max-tokens 64
+    .venv/bin/python benchmarks/http_vs_inprocess.py --num-requests 128 --max-tokens 32
 
 Prints output tokens/s of both, their ratio (target >= 0.9), and p50/p99 time to first token.
 """
@@ -25,13 +25,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from shoal.config import EngineConfig
-from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.llm_engine import Engine
-from shoal.sampling_params import SamplingParams
+if TYPE_CHECKING:  # imported in main(), after OMP_NUM_THREADS is set
+    from shoal.engine.async_engine import AsyncEngine
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,6 +57,8 @@ def workload(vocab: int, n: int, lo: int, hi: int) -> list[list[int]]:
 
 async def run_inprocess(aeng: AsyncEngine, prompts: list[list[int]], max_tokens: int,
                         concurrency: int) -> Result:
+    from shoal.sampling_params import SamplingParams
+
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -135,7 +136,10 @@ def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subproce
     )
     cmd = [sys.executable, "-c", code, args.model or "", args.dtype, str(args.max_num_seqs),
            data_dir, str(port)]
-    return subprocess.Popen(cmd, cwd=ROOT, env=dict(os.environ))
+    env = dict(os.environ)
+    if args.threads:
+        env["OMP_NUM_THREADS"] = str(args.threads)
+    return subprocess.Popen(cmd, cwd=ROOT, env=env)
 
 
 def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
@@ -160,6 +164,10 @@ def report(name: str, r: Result) -> None:
 def run_local(
     args: argparse.Namespace,
 ) -> tuple[Result, str, list[list[int]], list[list[int]]]:
+    from shoal.config import EngineConfig
+    from shoal.engine.async_engine import AsyncEngine
+    from shoal.engine.llm_engine import Engine
+
     engine = Engine(EngineConfig(model=args.model, dtype=args.dtype,
                                  max_num_seqs=args.max_num_seqs))
     prompts = workload(engine.model_config.vocab_size, args.num_requests, *args.prompt_len)
@@ -180,11 +188,16 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: the bundled model")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--num-requests", type=int, default=128)
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--prompt-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
+    p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads for both runs (1 avoids OpenMP spinning on a busy host)")
     args = p.parse_args()
+    if args.threads:  # before torch loads: OpenMP reads it once, for every thread
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
 
     local, model_name, prompts, warm = run_local(args)
     gc.collect()  # free the in-process engine's KV before the server allocates its own
@@ -204,7 +217,7 @@ def main() -> None:
 
     print(f"model {model_name}, {args.num_requests} requests, {args.concurrency} concurrent "
           f"streams, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
-          f"{args.max_tokens} tokens out")
+          f"{args.max_tokens} tokens out, torch threads {torch.get_num_threads()}")
     report("in-process", local)
     report("http", http)
     print(f"HTTP / in-process throughput: {http.rate / local.rate:.3f} (target >= 0.9)")
