@@ -95,7 +95,7 @@ class KVCacheManager:
         if session is None or not session.token_ids:
             return hit
         n = min(common_prefix_len(session.token_ids, seq.token_ids()), seq.num_tokens - 1)
-        if n < hit.num_tokens or (n == hit.num_tokens and not session.resident):
+        if n == 0 or n < hit.num_tokens or (n == hit.num_tokens and not session.resident):
             return hit  # restoring from disk would not pay
         if not session.resident and not self._restore(session):
             return hit
