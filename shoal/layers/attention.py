@@ -47,18 +47,23 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
-    num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+    kv_heads, head_dim = k_cache.shape[2:]
     k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
     v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
     out = torch.empty_like(q)
-    heads = q.shape[1]
 
     b = meta.num_decodes
     if b:
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         if cpu_kernels.paged_decode_available(q):
             cpu_kernels.paged_decode(
-                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, out[:b], scale
+                q[:b].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_lens,
+                out[:b],
+                scale,
             )
         else:
             out[:b] = _gathered_decode(q[:b], k_cache, v_cache, meta, scale)
@@ -70,15 +75,16 @@ def paged_attention(
         else:
             keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
             values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
+        # 4-D inputs take torch's fused CPU kernel; 3-D ones fell back to the slow math path.
         out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q[rows].transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
             attn_mask=chunk.mask,
             is_causal=chunk.mask is None,
             scale=scale,
             enable_gqa=True,
-        ).transpose(0, 1)
+        )[0].transpose(0, 1)
     return out
 
 

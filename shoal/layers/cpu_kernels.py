@@ -29,7 +29,8 @@ _FUNCS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 def _cpu_id() -> str:
     try:
         return next(
-            line for line in Path("/proc/cpuinfo").read_text().splitlines()
+            line
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("flags")
         )
     except (OSError, StopIteration):
@@ -53,9 +54,7 @@ def load() -> ctypes.CDLL | None:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
         try:
-            subprocess.run(
-                [cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True
-            )
+            subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True)
             os.replace(tmp, lib_path)  # atomic: concurrent builders never see a partial file
         except (OSError, subprocess.CalledProcessError) as e:
             Path(tmp).unlink(missing_ok=True)
@@ -65,10 +64,14 @@ def load() -> ctypes.CDLL | None:
     for name in _FUNCS.values():
         fn = getattr(lib, name)
         fn.restype = None
-        fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [
-            ctypes.c_double,
-            ctypes.c_int64,
-        ]
+        fn.argtypes = (
+            [ctypes.c_void_p] * 6
+            + [ctypes.c_int64] * 6
+            + [
+                ctypes.c_double,
+                ctypes.c_int64,
+            ]
+        )
     return lib
 
 

@@ -48,16 +48,16 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
     ) -> torch.Tensor:
         t = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = q.reshape(t, self.num_heads, self.head_dim)
-        k = k.reshape(t, self.num_kv_heads, self.head_dim)
-        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        heads = self.num_heads + self.num_kv_heads
+        qk = qkv[:, : heads * self.head_dim].reshape(t, heads, self.head_dim)
+        v = qkv[:, heads * self.head_dim :].reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        q, k = rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, q_size))
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
 class MLP(nn.Module):
