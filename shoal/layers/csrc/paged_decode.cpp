@@ -21,8 +21,8 @@ void decode_range(const T* q, const T* kc, const T* vc, const int64_t* tables,
                   int64_t dim, int64_t block_size, int64_t max_blocks, double scale,
                   int64_t begin, int64_t end) {
   const int64_t group = heads / kv_heads;
-  std::vector<double> scores;
-  std::vector<double> acc(group * dim);
+  std::vector<T> scores;
+  std::vector<T> acc(group * dim);
   for (int64_t b = begin; b < end; ++b) {
     const int64_t len = lens[b];
     const int64_t* table = tables + b * max_blocks;
@@ -36,28 +36,31 @@ void decode_range(const T* q, const T* kc, const T* vc, const int64_t* tables,
           T s = 0;
 #pragma omp simd reduction(+ : s)
           for (int64_t d = 0; d < dim; ++d) s += qh[d] * k[d];
-          scores[g * len + t] = static_cast<double>(s) * scale;
+          scores[g * len + t] = s * static_cast<T>(scale);
         }
       }
       for (int64_t g = 0; g < group; ++g) {
-        double* sg = scores.data() + g * len;
-        const double m = *std::max_element(sg, sg + len);
-        double total = 0;
+        T* sg = scores.data() + g * len;
+        const T m = *std::max_element(sg, sg + len);
+        T total = 0;
+#pragma omp simd reduction(+ : total)
         for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - m));
-        for (int64_t t = 0; t < len; ++t) sg[t] /= total;
+        const T inv = 1 / total;
+#pragma omp simd
+        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
       }
-      std::fill(acc.begin(), acc.end(), 0.0);
+      std::fill(acc.begin(), acc.end(), T(0));
       for (int64_t t = 0; t < len; ++t) {
         const T* v = vc + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
         for (int64_t g = 0; g < group; ++g) {
-          const double p = scores[g * len + t];
-          double* a = acc.data() + g * dim;
+          const T p = scores[g * len + t];
+          T* a = acc.data() + g * dim;
 #pragma omp simd
           for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
         }
       }
       T* o = out + (b * heads + kh * group) * dim;
-      for (int64_t i = 0; i < group * dim; ++i) o[i] = static_cast<T>(acc[i]);
+      std::copy(acc.begin(), acc.end(), o);
     }
   }
 }
