@@ -21,7 +21,7 @@ class EngineConfig:
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
-    kv_cache_bytes: int = 4 * GiB
+    kv_cache_bytes: int = 2 * GiB
     num_blocks: int | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 1024
