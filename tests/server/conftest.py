@@ -84,28 +84,24 @@ def spawn_server(tiny_chat_model: Path, tmp_path: Path) -> Iterator[Callable[...
     procs: list[SpawnedServer] = []
 
     def spawn(data_dir: Path, *extra: str) -> SpawnedServer:
-        port = free_port()
-        log = tmp_path / f"server-{port}.log"
-        cmd = [
-            sys.executable,
-            str(HERE / "serve_tiny.py"),
-            "--model",
-            str(tiny_chat_model),
-            "--port",
-            str(port),
-            "--data-dir",
-            str(data_dir),
-            "--num-blocks",
-            str(NUM_BLOCKS),
-            *extra,
-        ]
-        env = dict(os.environ)
-        with log.open("wb") as fh:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
-        spawned = SpawnedServer(f"http://127.0.0.1:{port}", proc, log)
-        procs.append(spawned)
-        spawned.wait_ready()
-        return spawned
+        for attempt in range(3):  # a free port can be taken before the child binds it
+            port = free_port()
+            log = tmp_path / f"server-{port}.log"
+            cmd = [sys.executable, str(HERE / "serve_tiny.py"), "--model", str(tiny_chat_model),
+                   "--port", str(port), "--data-dir", str(data_dir), "--num-blocks",
+                   str(NUM_BLOCKS), *extra]
+            with log.open("wb") as fh:
+                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
+                                        env=dict(os.environ))
+            spawned = SpawnedServer(f"http://127.0.0.1:{port}", proc, log)
+            procs.append(spawned)
+            try:
+                spawned.wait_ready()
+                return spawned
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in log.read_text().lower():
+                    raise
+        raise AssertionError("unreachable")
 
     yield spawn
     for p in procs:

@@ -55,7 +55,7 @@ class SpawnedServer:
     proc: subprocess.Popen[bytes]
     log: Path
 
-    def wait_ready(self, timeout: float = 60) -> None:
+    def wait_ready(self, timeout: float = 180) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -66,7 +66,7 @@ class SpawnedServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError("the spawned server did not become ready")
+        raise RuntimeError(f"the server did not become ready: {self.log.read_text()[-2000:]}")
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=30)

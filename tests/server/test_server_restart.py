@@ -25,7 +25,7 @@ def _start_batch(srv: SpawnedServer, model: str) -> str:
     return batch.id
 
 
-def _wait_partial(srv: SpawnedServer, batch_id: str, timeout: float = 60) -> int:
+def _wait_partial(srv: SpawnedServer, batch_id: str, timeout: float = 120) -> int:
     """Wait until some but not all requests are done; return how many."""
     c = srv.client()
     deadline = time.monotonic() + timeout
@@ -33,7 +33,7 @@ def _wait_partial(srv: SpawnedServer, batch_id: str, timeout: float = 60) -> int
         b = c.batches.retrieve(batch_id)
         done = b.request_counts.completed if b.request_counts else 0
         if done >= 3:
-            assert done < N, "the batch finished before the interruption"
+            assert done < N, f"the batch finished before the interruption: {b}"
             return done
         time.sleep(0.02)
     raise AssertionError("the batch made no progress")
@@ -44,7 +44,7 @@ def _check_complete(srv: SpawnedServer, batch_id: str) -> None:
     done = wait_batch(c, batch_id, timeout=120)
     assert done.status == "completed", done
     assert done.request_counts is not None
-    assert (done.request_counts.completed, done.request_counts.failed) == (N, 0)
+    assert (done.request_counts.completed, done.request_counts.failed) == (N, 0), done
     out = read_lines(c, done.output_file_id)
     ids = Counter(x["custom_id"] for x in out)
     assert sorted(ids) == sorted(f"r{i}" for i in range(N))
