@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
 
 from shoal.server.errors import APIError, not_found
@@ -73,7 +73,7 @@ async def get_file(state: State, file_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(state: State, file_id: str, request: Request) -> Response:
+async def file_content(state: State, file_id: str) -> Response:
     _file(state, file_id)
     try:
         data = state.store.read_file(file_id)

@@ -92,6 +92,21 @@ def test_sampling_params(client: openai.OpenAI, server: LiveServer) -> None:
     assert r.usage is not None and 4 <= r.usage.completion_tokens <= 12
 
 
+def test_stream_with_n_choices(client: openai.OpenAI, server: LiveServer) -> None:
+    full = client.chat.completions.create(model=server.model, messages=USER, max_tokens=6,
+                                          temperature=0, n=2)
+    stream = client.chat.completions.create(model=server.model, messages=USER, max_tokens=6,
+                                            temperature=0, n=2, stream=True)
+    texts = ["", ""]
+    reasons: list[str | None] = [None, None]
+    for chunk in stream:
+        for ch in chunk.choices:
+            texts[ch.index] += ch.delta.content or ""
+            reasons[ch.index] = ch.finish_reason or reasons[ch.index]
+    assert texts == [c.message.content for c in full.choices]
+    assert reasons == [c.finish_reason for c in full.choices]
+
+
 def test_stop_strings(client: openai.OpenAI, server: LiveServer) -> None:
     base = (
         client.completions.create(model=server.model, prompt="Hello", max_tokens=16, temperature=0)
