@@ -9,7 +9,7 @@ from shoal.engine.sampler import Sampled, sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
-from shoal.models.llama import Attention, LlamaForCausalLM
+from shoal.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
@@ -22,8 +22,7 @@ class ModelRunner:
         cfg = model.config
         dtype = model.embed_tokens.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        for layer in model.layers:
-            attn = layer.self_attn
+        for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
 
@@ -85,7 +84,13 @@ class ModelRunner:
             decode_lens=decode_lens_t,
             prefills=prefills,
         )
-        return self._tensor(ids), self._tensor(np.concatenate(positions)), meta, logit_rows, sampled_seqs
+        return (
+            self._tensor(ids),
+            self._tensor(np.concatenate(positions)),
+            meta,
+            logit_rows,
+            sampled_seqs,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
@@ -100,12 +105,7 @@ class ModelRunner:
     # -- KV block moves for sessions (copy on write, the disk tier) ------------------------
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's `(k_cache, v_cache)`, `[num_blocks, block_size, kv_heads, head_dim]`."""
-        caches = []
-        for layer in self.model.layers:
-            attn = layer.self_attn
-            assert isinstance(attn, Attention)
-            caches.append((attn.k_cache, attn.v_cache))
-        return caches
+        return [(attn.k_cache, attn.v_cache) for attn in self.model.attention_layers]
 
     @torch.inference_mode()
     def copy_block(self, src: int, dst: int) -> None:

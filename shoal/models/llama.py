@@ -6,6 +6,8 @@ fused at load so each layer runs three large products instead of six small ones.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -114,6 +116,11 @@ class LlamaForCausalLM(nn.Module):
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
             raise ValueError(f"unexpected weights: {sorted(w)[:5]}")
+
+    @property
+    def attention_layers(self) -> list[Attention]:
+        """Each layer's attention, where the runner hangs that layer's KV cache."""
+        return [cast(DecoderLayer, layer).self_attn for layer in self.layers]
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
