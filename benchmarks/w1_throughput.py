@@ -74,7 +74,9 @@ def main() -> None:
         return
     peer_rate, peer_out = run_transformers(work, args.peer_batch_size)
     same = sum(a == b for a, b in zip(shoal_out, peer_out, strict=True))
-    print(f"transformers: {peer_rate:7.1f} output tokens/s (static batches of {args.peer_batch_size})")
+    print(
+        f"transformers: {peer_rate:7.1f} output tokens/s (static batches of {args.peer_batch_size})"
+    )
     print(f"ratio shoal / transformers: {shoal_rate / peer_rate:.2f}x")
     print(f"identical greedy outputs: {same}/{len(shoal_out)} (float32; ties may differ)")
 

@@ -15,6 +15,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV block pool size")
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -26,7 +27,13 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("give a prompt or --file", file=sys.stderr)
         return 2
-    llm = LLM(args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs)
+    llm = LLM(
+        args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
+    )
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -37,7 +44,9 @@ def _generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs, strict=True):
         if args.json:
-            print(json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason}))
+            print(
+                json.dumps({"prompt": prompt, "text": out.text, "finish_reason": out.finish_reason})
+            )
         else:
             print(out.text.strip())
     return 0

@@ -93,7 +93,9 @@ def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
     if gen_config.exists():
         eos = json.loads(gen_config.read_text()).get("eos_token_id")
         if eos is not None:
-            cfg.eos_token_ids = sorted({*cfg.eos_token_ids, *([eos] if isinstance(eos, int) else eos)})
+            cfg.eos_token_ids = sorted(
+                {*cfg.eos_token_ids, *([eos] if isinstance(eos, int) else eos)}
+            )
     tokenizer = None
     if any((path / n).exists() for n in ("tokenizer.json", "tokenizer_config.json")):
         from transformers import AutoTokenizer
