@@ -170,7 +170,7 @@ class Engine:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if params.seed is not None:
-            seq.generator = torch.Generator().manual_seed(params.seed)
+            seq.generator = torch.Generator(self.config.device).manual_seed(params.seed)
         with self._lock:
             if seq.request_id in self._requests:
                 raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
