@@ -128,11 +128,7 @@ class LLM:
         return self.generate(prompts, params, use_tqdm=use_tqdm, session_id=session_id)
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
-        tok = self.engine.tokenizer
-        if tok is None or not getattr(tok, "chat_template", None):
-            raise InvalidRequestError("this model has no chat template")
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return self.engine.encode(text)
+        return self.engine.apply_chat_template(messages)
 
     def _run(
         self,

@@ -127,6 +127,18 @@ class Engine:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids for a conversation, ending where the assistant's reply begins.
+
+        Raises `InvalidRequestError` when the model has no tokenizer or no chat template; an
+        error the template itself raises (a conversation it rejects) propagates unchanged.
+        """
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
     def add_request(
         self,
         prompt: str | list[int],
