@@ -55,8 +55,9 @@ def workload(vocab: int, n: int, lo: int, hi: int) -> list[list[int]]:
     return [[rng.randrange(100, vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-async def run_inprocess(aeng: AsyncEngine, prompts: list[list[int]], max_tokens: int,
-                        concurrency: int) -> Result:
+async def run_inprocess(
+    aeng: AsyncEngine, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> Result:
     from shoal.sampling_params import SamplingParams
 
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
@@ -85,8 +86,9 @@ async def run_inprocess(aeng: AsyncEngine, prompts: list[list[int]], max_tokens:
     return Result(tokens, time.perf_counter() - start, ttfts)
 
 
-async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: int,
-                   concurrency: int) -> Result:
+async def run_http(
+    url: str, model: str, prompts: list[list[int]], max_tokens: int, concurrency: int
+) -> Result:
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -98,9 +100,15 @@ async def run_http(url: str, model: str, prompts: list[list[int]], max_tokens: i
         nonlocal tokens
         while not queue.empty():
             prompt = queue.get_nowait()
-            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             t0 = time.perf_counter()
             first = None
             async with http.stream("POST", "/v1/completions", json=body) as r:
@@ -134,8 +142,16 @@ def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subproce
         "run_server(ServerConfig(model=a[0] or None, dtype=a[1], max_num_seqs=int(a[2]), "
         "max_waiting=100000, data_dir=Path(a[3])), '127.0.0.1', int(a[4]), log_level='warning')"
     )
-    cmd = [sys.executable, "-c", code, args.model or "", args.dtype, str(args.max_num_seqs),
-           data_dir, str(port)]
+    cmd = [
+        sys.executable,
+        "-c",
+        code,
+        args.model or "",
+        args.dtype,
+        str(args.max_num_seqs),
+        data_dir,
+        str(port),
+    ]
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
@@ -157,8 +173,10 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes], timeout: float = 300) ->
 
 
 def report(name: str, r: Result) -> None:
-    print(f"{name:>10}: {r.tokens} tokens in {r.seconds:.2f} s = {r.rate:.1f} tok/s; "
-          f"TTFT p50 {1000 * r.pct(0.5):.0f} ms, p99 {1000 * r.pct(0.99):.0f} ms")
+    print(
+        f"{name:>10}: {r.tokens} tokens in {r.seconds:.2f} s = {r.rate:.1f} tok/s; "
+        f"TTFT p50 {1000 * r.pct(0.5):.0f} ms, p99 {1000 * r.pct(0.99):.0f} ms"
+    )
 
 
 def run_local(
@@ -168,8 +186,9 @@ def run_local(
     from shoal.engine.async_engine import AsyncEngine
     from shoal.engine.llm_engine import Engine
 
-    engine = Engine(EngineConfig(model=args.model, dtype=args.dtype,
-                                 max_num_seqs=args.max_num_seqs))
+    engine = Engine(
+        EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs)
+    )
     prompts = workload(engine.model_config.vocab_size, args.num_requests, *args.prompt_len)
     warm = workload(engine.model_config.vocab_size, 4, 16, 32)
 
@@ -192,8 +211,12 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=64)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch threads for both runs (1 avoids OpenMP spinning on a busy host)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads for both runs (1 avoids OpenMP spinning on a busy host)",
+    )
     args = p.parse_args()
     if args.threads:  # before torch loads: OpenMP reads it once, for every thread
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -209,15 +232,18 @@ def main() -> None:
         try:
             wait_ready(url, proc)
             asyncio.run(run_http(url, model_name, warm, 4, 4))
-            http = asyncio.run(run_http(url, model_name, prompts, args.max_tokens,
-                                        args.concurrency))
+            http = asyncio.run(
+                run_http(url, model_name, prompts, args.max_tokens, args.concurrency)
+            )
         finally:
             proc.terminate()
             proc.wait(timeout=60)
 
-    print(f"model {model_name}, {args.num_requests} requests, {args.concurrency} concurrent "
-          f"streams, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
-          f"{args.max_tokens} tokens out, torch threads {torch.get_num_threads()}")
+    print(
+        f"model {model_name}, {args.num_requests} requests, {args.concurrency} concurrent "
+        f"streams, prompts {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
+        f"{args.max_tokens} tokens out, torch threads {torch.get_num_threads()}"
+    )
     report("in-process", local)
     report("http", http)
     print(f"HTTP / in-process throughput: {http.rate / local.rate:.3f} (target >= 0.9)")

@@ -6,8 +6,9 @@ reference on each block, so idle session KV is not churned by the prefix cache (
 request holds its own reference on every block it uses, so eviction never touches those). Idle
 sessions are evicted first, least recently used first, and spilled to the disk tier through
 `SessionIO` rather than lost; what a pinned session holds beyond its request's blocks goes
-only when the alternative is preempting a running request. The KV manager and the scheduler only see this module
-and the `SessionIO` protocol; the torch side (copies, safetensors files) lives in `kv_store`.
+only when the alternative is preempting a running request. The KV manager and the scheduler
+only see this module and the `SessionIO` protocol; the torch side (copies, safetensors files)
+lives in `kv_store`.
 """
 
 from __future__ import annotations

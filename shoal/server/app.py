@@ -25,7 +25,7 @@ from shoal.server.batch_runner import BatchRunner
 from shoal.server.errors import install_handlers
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
-from shoal.server.state import ServerConfig, ServerState, engine_supports_sessions
+from shoal.server.state import ServerConfig, ServerState
 from shoal.server.store import Store
 
 log = logging.getLogger("shoal.server")
@@ -35,9 +35,16 @@ def build_engine(config: ServerConfig) -> Engine:
     kw: dict[str, Any] = {}
     if config.num_blocks is not None:
         kw["num_blocks"] = config.num_blocks
-    return Engine(EngineConfig(model=config.model, dtype=config.dtype,
-                               block_size=config.block_size, max_num_seqs=config.max_num_seqs,
-                               max_waiting=config.max_waiting, **kw))
+    return Engine(
+        EngineConfig(
+            model=config.model,
+            dtype=config.dtype,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_waiting=config.max_waiting,
+            **kw,
+        )
+    )
 
 
 def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
@@ -51,16 +58,25 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         store = Store(config.data_dir)
         state_box: list[ServerState] = []
 
-        async def execute(endpoint: str, body: dict[str, Any]) -> tuple[int, dict[str, Any],
-                                                                       int, int]:
+        async def execute(
+            endpoint: str, body: dict[str, Any]
+        ) -> tuple[int, dict[str, Any], int, int]:
             return await batches.execute_line(state_box[0], endpoint, body)
 
-        runner = BatchRunner(store, execute,
-                             concurrency=config.batch_concurrency or 2 * config.max_num_seqs,
-                             max_lines=config.max_batch_lines)
-        state = ServerState(config=config, engine=eng, aeng=aeng, store=store, runner=runner,
-                            metrics=ServerMetrics(eng),
-                            supports_sessions=engine_supports_sessions(eng))
+        runner = BatchRunner(
+            store,
+            execute,
+            concurrency=config.batch_concurrency or 2 * config.max_num_seqs,
+            max_lines=config.max_batch_lines,
+        )
+        state = ServerState(
+            config=config,
+            engine=eng,
+            aeng=aeng,
+            store=store,
+            runner=runner,
+            metrics=ServerMetrics(eng),
+        )
         state_box.append(state)
         holder["state"] = state
         app.state.shoal = state
@@ -72,13 +88,15 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
             state.shutting_down = True
             await runner.stop(config.batch_grace_s)
             await aeng.shutdown(config.drain_timeout_s)
-            save = getattr(eng, "save_sessions", None)
-            if callable(save):
-                save()
+            eng.save_sessions()
             store.close()
 
-    app = FastAPI(title="shoal", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible completions, chat and Batch API.")
+    app = FastAPI(
+        title="shoal",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible completions, chat and Batch API.",
+    )
     install_handlers(app)
     app.include_router(routes.router)
     app.include_router(files.router)
@@ -88,16 +106,26 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         state = holder.get("state")
         return state is not None and state.shutting_down
 
-    app.add_middleware(Guard, api_key=config.api_key, max_body=config.max_body_bytes,
-                       max_upload=config.max_upload_bytes, shutting_down=shutting_down)
+    app.add_middleware(
+        Guard,
+        api_key=config.api_key,
+        max_body=config.max_body_bytes,
+        max_upload=config.max_upload_bytes,
+        shutting_down=shutting_down,
+    )
     app.state.holder = holder
     return app
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
-                        max_num_seqs=args.max_num_seqs, data_dir=Path(args.data_dir),
-                        api_key=args.api_key)
+    return ServerConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        data_dir=Path(args.data_dir),
+        api_key=args.api_key,
+    )
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -118,6 +146,7 @@ def run_server(config: ServerConfig, host: str, port: int, log_level: str = "inf
                 state.shutting_down = True
             super().handle_exit(sig, frame)
 
-    uv_config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
-                               timeout_graceful_shutdown=30)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=30
+    )
     Server(uv_config).run()

@@ -25,16 +25,27 @@ log = logging.getLogger("shoal.server.batch")
 Execute = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], int, int]]]
 
 _NOT_RUN = {
-    "expired": ("batch_expired",
-                "This request could not be executed before the completion window expired."),
-    "cancelled": ("batch_cancelled",
-                  "This request was not executed because the batch was cancelled."),
+    "expired": (
+        "batch_expired",
+        "This request could not be executed before the completion window expired.",
+    ),
+    "cancelled": (
+        "batch_cancelled",
+        "This request was not executed because the batch was cancelled.",
+    ),
 }
 
 
 class BatchRunner:
-    def __init__(self, store: Store, execute: Execute, *, concurrency: int, max_lines: int,
-                 poll_s: float = 0.2) -> None:
+    def __init__(
+        self,
+        store: Store,
+        execute: Execute,
+        *,
+        concurrency: int,
+        max_lines: int,
+        poll_s: float = 0.2,
+    ) -> None:
         self.store = store
         self.execute = execute
         self.max_lines = max_lines
@@ -87,8 +98,14 @@ class BatchRunner:
         try:
             data = self.store.read_file(obj["input_file_id"])
         except FileNotFoundError:
-            return [], [{"code": "file_not_found", "message": "the input file is gone",
-                         "param": "input_file_id", "line": None}]
+            return [], [
+                {
+                    "code": "file_not_found",
+                    "message": "the input file is gone",
+                    "param": "input_file_id",
+                    "line": None,
+                }
+            ]
         return parse_batch_file(data, max_lines=self.max_lines, endpoint=obj["endpoint"])
 
     async def _run(self, batch_id: str) -> None:
@@ -98,21 +115,29 @@ class BatchRunner:
         lines, errors = self._lines(obj)
         if obj["status"] == "validating":
             if errors:
-                self.store.update_batch(batch_id, status="failed", failed_at=int(time.time()),
-                                        errors={"object": "list", "data": errors[:100]})
+                self.store.update_batch(
+                    batch_id,
+                    status="failed",
+                    failed_at=int(time.time()),
+                    errors={"object": "list", "data": errors[:100]},
+                )
                 return
             model = next((ln.body.get("model") for ln in lines), None)
             obj = self.store.update_batch(
-                batch_id, status="in_progress", in_progress_at=int(time.time()),
+                batch_id,
+                status="in_progress",
+                in_progress_at=int(time.time()),
                 model=model if isinstance(model, str) else None,
-                request_counts={"total": len(lines), "completed": 0, "failed": 0})
+                request_counts={"total": len(lines), "completed": 0, "failed": 0},
+            )
         if obj["status"] == "in_progress":
             final = await self._execute_all(batch_id, obj, lines)
             if final is None:
                 return  # stopping: resume later
             if final == "completed":
-                self.store.update_batch(batch_id, status="finalizing",
-                                        finalizing_at=int(time.time()))
+                self.store.update_batch(
+                    batch_id, status="finalizing", finalizing_at=int(time.time())
+                )
                 self._finalize(batch_id, lines, "completed")
             elif final == "cancelled":
                 self._finalize(batch_id, lines, "cancelled")
@@ -130,8 +155,9 @@ class BatchRunner:
             return "expired"
         return None
 
-    async def _execute_all(self, batch_id: str, obj: dict[str, Any],
-                           lines: list[BatchLine]) -> str | None:
+    async def _execute_all(
+        self, batch_id: str, obj: dict[str, Any], lines: list[BatchLine]
+    ) -> str | None:
         """Run every line not yet done; the final status, or None when stopping."""
         done = self.store.done_custom_ids(batch_id)
         pending = [ln for ln in lines if ln.custom_id not in done]
@@ -143,8 +169,9 @@ class BatchRunner:
                     if self._stopping or self._interrupted(batch_id, expires_at):
                         break
                     if inflight:
-                        await asyncio.wait(inflight, timeout=self.poll_s,
-                                           return_when=asyncio.FIRST_COMPLETED)
+                        await asyncio.wait(
+                            inflight, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED
+                        )
                     else:  # other batches hold every slot
                         await asyncio.sleep(self.poll_s)
                 if self._stopping or self._interrupted(batch_id, expires_at):
@@ -183,8 +210,7 @@ class BatchRunner:
         line = {
             "id": new_id("batch_req_"),
             "custom_id": ln.custom_id,
-            "response": {"status_code": status, "request_id": rid or new_id("req_"),
-                         "body": body},
+            "response": {"status_code": status, "request_id": rid or new_id("req_"), "body": body},
             "error": None,
         }
         self.store.add_result(batch_id, ln.custom_id, ln.line, status == 200, line, pt, ct)
@@ -199,21 +225,33 @@ class BatchRunner:
             done = self.store.done_custom_ids(batch_id)
             for ln in lines:
                 if ln.custom_id not in done:
-                    err.append(json.dumps({"id": new_id("batch_req_"), "custom_id": ln.custom_id,
-                                           "response": None,
-                                           "error": {"code": code, "message": message}}))
+                    err.append(
+                        json.dumps(
+                            {
+                                "id": new_id("batch_req_"),
+                                "custom_id": ln.custom_id,
+                                "response": None,
+                                "error": {"code": code, "message": message},
+                            }
+                        )
+                    )
         fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
-        for key, rows, suffix in (("output_file_id", out, "output"), ("error_file_id", err,
-                                                                      "errors")):
+        for key, rows, suffix in (
+            ("output_file_id", out, "output"),
+            ("error_file_id", err, "errors"),
+        ):
             if rows:
                 fid = f"file-{batch_id.removeprefix('batch_')}{suffix[0]}"
-                self.store.create_file(f"{batch_id}_{suffix}.jsonl", "batch_output",
-                                       ("\n".join(rows) + "\n").encode(), file_id=fid)
+                self.store.create_file(
+                    f"{batch_id}_{suffix}.jsonl",
+                    "batch_output",
+                    ("\n".join(rows) + "\n").encode(),
+                    file_id=fid,
+                )
                 fields[key] = fid
         completed, failed, pt, ct = self.store.result_counts(batch_id)
         now = int(time.time())
-        fields["request_counts"] = {"total": len(lines), "completed": completed,
-                                    "failed": failed}
+        fields["request_counts"] = {"total": len(lines), "completed": completed, "failed": failed}
         fields["usage"] = usage_obj(pt, ct)
         fields[f"{status}_at"] = now
         self.store.update_batch(batch_id, status=status, **fields)

@@ -1,5 +1,9 @@
-"""`/v1/batches`: create, get, list (paginated with `after` and `limit`), cancel; plus the
-function the runner calls to execute one batch line through the same serving path."""
+"""`/v1/batches`: create, get, list (paginated with `after` and `limit`), cancel.
+
+`execute_line`, which the runner calls for each batch line, lives here too and goes through
+the same `prepare_*` and `respond` as the HTTP routes, so a batch line and an interactive
+request with the same body are validated and answered the same way; only the priority differs.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from pydantic import ValidationError
 
 from shoal.server.batch_runner import usage_obj
 from shoal.server.errors import APIError, error_body, not_found
+from shoal.server.formatting import list_page
 from shoal.server.jsonl import ENDPOINTS
 from shoal.server.protocol import BatchCreateRequest, ChatCompletionRequest, CompletionRequest
 from shoal.server.serving import prepare_chat, prepare_completion, respond
@@ -28,8 +33,7 @@ def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
     """Fill in counts of a running batch from the results table."""
     if obj["status"] in ACTIVE and obj.get("request_counts"):
         completed, failed, pt, ct = state.store.result_counts(obj["id"])
-        obj["request_counts"] = {**obj["request_counts"], "completed": completed,
-                                 "failed": failed}
+        obj["request_counts"] = {**obj["request_counts"], "completed": completed, "failed": failed}
         obj["usage"] = usage_obj(pt, ct)
     return obj
 
@@ -49,8 +53,9 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
         raise APIError(400, "completion_window must be '24h'", param="completion_window")
     for k, v in (req.metadata or {}).items():
         if len(k) > 64 or len(v) > 512:
-            raise APIError(400, "metadata keys hold at most 64 characters and values 512",
-                           param="metadata")
+            raise APIError(
+                400, "metadata keys hold at most 64 characters and values 512", param="metadata"
+            )
     f = state.store.get_file(req.input_file_id)
     if f is None:
         raise not_found("file", req.input_file_id, "input_file_id")
@@ -59,15 +64,28 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
     now = int(time.time())
     window = state.config.batch_window_s or WINDOWS[req.completion_window]
     obj: dict[str, Any] = {
-        "id": new_id("batch_"), "object": "batch", "endpoint": req.endpoint,
-        "errors": None, "input_file_id": req.input_file_id,
-        "completion_window": req.completion_window, "status": "validating",
-        "output_file_id": None, "error_file_id": None, "created_at": now,
-        "in_progress_at": None, "expires_at": now + window,
-        "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
-        "cancelling_at": None, "cancelled_at": None,
+        "id": new_id("batch_"),
+        "object": "batch",
+        "endpoint": req.endpoint,
+        "errors": None,
+        "input_file_id": req.input_file_id,
+        "completion_window": req.completion_window,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "in_progress_at": None,
+        "expires_at": now + window,
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
         "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": req.metadata, "model": None, "usage": None,
+        "metadata": req.metadata,
+        "model": None,
+        "usage": None,
     }
     state.store.create_batch(obj)
     state.runner.submit(obj["id"])
@@ -87,13 +105,7 @@ async def list_batches(
 ) -> dict[str, Any]:
     data, has_more = state.store.list_batches(after=after, limit=limit)
     data = [_live(state, b) for b in data]
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    return list_page(data, has_more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
@@ -102,8 +114,9 @@ async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
     if obj["status"] in ("cancelling", "cancelled"):
         return obj
     if obj["status"] in TERMINAL or obj["status"] == "finalizing":
-        raise APIError(400, f"cannot cancel a batch whose status is {obj['status']}",
-                       param="batch_id")
+        raise APIError(
+            400, f"cannot cancel a batch whose status is {obj['status']}", param="batch_id"
+        )
     state.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
     state.runner.cancel(batch_id)
     return _batch(state, batch_id)
@@ -116,11 +129,13 @@ async def execute_line(
     priority = state.config.batch_priority
     try:
         if endpoint == "/v1/chat/completions":
-            prep = prepare_chat(state, ChatCompletionRequest.model_validate(body),
-                                priority=priority)
+            prep = prepare_chat(
+                state, ChatCompletionRequest.model_validate(body), priority=priority
+            )
         else:
-            prep = prepare_completion(state, CompletionRequest.model_validate(body),
-                                      priority=priority)
+            prep = prepare_completion(
+                state, CompletionRequest.model_validate(body), priority=priority
+            )
         result = await respond(state, prep)
     except ValidationError as e:
         errs = e.errors()

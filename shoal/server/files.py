@@ -1,5 +1,9 @@
-"""`/v1/files`: upload (multipart, `purpose=batch` validated line by line), list, get,
-content, delete."""
+"""`/v1/files`: upload (multipart), list, get, content, delete.
+
+A `purpose=batch` upload is validated line by line at upload time, so a bad file fails where
+the client can still see why, not hours later inside a batch. Deleting a file that a running
+batch still reads is refused.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
 
 from shoal.server.errors import APIError, not_found
+from shoal.server.formatting import list_page
 from shoal.server.jsonl import parse_batch_file
 from shoal.server.state import ServerState, get_state
 
@@ -36,8 +41,12 @@ async def upload_file(
             shown = "; ".join(e["message"] for e in errors[:5])
             more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
             first_line = errors[0].get("line")
-            raise APIError(400, f"invalid batch file: {shown}{more}", param="file",
-                           code=errors[0]["code"] if first_line is not None else None)
+            raise APIError(
+                400,
+                f"invalid batch file: {shown}{more}",
+                param="file",
+                code=errors[0]["code"] if first_line is not None else None,
+            )
     return state.store.create_file(file.filename or "upload.jsonl", purpose, data)
 
 
@@ -49,15 +58,8 @@ async def list_files(
     limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
-    data, has_more = state.store.list_files(purpose=purpose, after=after, limit=limit,
-                                            order=order)
-    return {
-        "object": "list",
-        "data": data,
-        "first_id": data[0]["id"] if data else None,
-        "last_id": data[-1]["id"] if data else None,
-        "has_more": has_more,
-    }
+    data, has_more = state.store.list_files(purpose=purpose, after=after, limit=limit, order=order)
+    return list_page(data, has_more)
 
 
 def _file(state: ServerState, file_id: str) -> dict[str, Any]:
@@ -87,7 +89,10 @@ async def delete_file(state: State, file_id: str) -> dict[str, Any]:
     _file(state, file_id)
     users = state.store.batches_using_file(file_id)
     if users:
-        raise APIError(400, f"the file is the input of batch {users[0]}, which is still "
-                            "running", param="file_id")
+        raise APIError(
+            400,
+            f"the file is the input of batch {users[0]}, which is still running",
+            param="file_id",
+        )
     state.store.delete_file(file_id)
     return {"id": file_id, "object": "file", "deleted": True}

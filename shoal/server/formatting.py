@@ -1,4 +1,8 @@
-"""Turning engine outputs into OpenAI response bodies and stream chunks (pure functions)."""
+"""Turning engine outputs into OpenAI response bodies and stream chunks.
+
+Pure functions of `RequestOutput`s, independent of the web framework and the engine, so
+whole responses, stream chunks and Batch API results are built the same way in one place.
+"""
 
 from __future__ import annotations
 
@@ -87,6 +91,21 @@ def chat_logprobs(
     return {"content": content, "refusal": None}
 
 
+def _envelope(
+    rid: str, obj: str, created: int, model: str, choices: list[Any], **extra: Any
+) -> dict[str, Any]:
+    """What every response body and stream chunk starts with."""
+    return {
+        "id": rid,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+        "system_fingerprint": None,
+    }
+
+
 def completion_body(
     rid: str, created: int, model: str, outs: Sequence[RequestOutput], tokenizer: Any
 ) -> dict[str, Any]:
@@ -99,15 +118,7 @@ def completion_body(
         }
         for i, o in enumerate(outs)
     ]
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(outs),
-        "system_fingerprint": None,
-    }
+    return _envelope(rid, "text_completion", created, model, choices, usage=usage(outs))
 
 
 def chat_body(
@@ -122,44 +133,36 @@ def chat_body(
         }
         for i, o in enumerate(outs)
     ]
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": choices,
-        "usage": usage(outs),
-        "system_fingerprint": None,
-    }
+    return _envelope(rid, "chat.completion", created, model, choices, usage=usage(outs))
+
+
+def _chunk(
+    rid: str, obj: str, created: int, model: str, choice: dict[str, Any], with_usage: bool
+) -> dict[str, Any]:
+    chunk = _envelope(rid, obj, created, model, [choice])
+    if with_usage:
+        chunk["usage"] = None
+    return chunk
 
 
 def completion_chunk(
     rid: str, created: int, model: str, choice: dict[str, Any], with_usage: bool
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "system_fingerprint": None,
-    }
-    if with_usage:
-        chunk["usage"] = None
-    return chunk
+    return _chunk(rid, "text_completion", created, model, choice, with_usage)
 
 
 def chat_chunk(
     rid: str, created: int, model: str, choice: dict[str, Any], with_usage: bool
 ) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": rid,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "system_fingerprint": None,
+    return _chunk(rid, "chat.completion.chunk", created, model, choice, with_usage)
+
+
+def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """A page of a paginated list (`/v1/files`, `/v1/batches`)."""
+    return {
+        "object": "list",
+        "data": data,
+        "first_id": data[0]["id"] if data else None,
+        "last_id": data[-1]["id"] if data else None,
+        "has_more": has_more,
     }
-    if with_usage:
-        chunk["usage"] = None
-    return chunk

@@ -1,4 +1,9 @@
-"""Parsing and validating Batch API input files (JSONL), line by line."""
+"""Parsing and validating Batch API input files (JSONL), line by line.
+
+One parser for the upload (`/v1/files`, so bad files are refused at once) and for the batch
+runner (which also checks each line's `url` against the batch's endpoint); errors come back
+as OpenAI-style objects carrying their line number.
+"""
 
 from __future__ import annotations
 
@@ -39,8 +44,9 @@ def parse_batch_file(
         if not raw.strip():
             continue
         if len(lines) + len(errors) >= max_lines:
-            errors.append(_err(no, "too_many_requests", f"a batch holds at most {max_lines} "
-                                                        "requests"))
+            errors.append(
+                _err(no, "too_many_requests", f"a batch holds at most {max_lines} requests")
+            )
             break
         try:
             obj = json.loads(raw)
@@ -52,13 +58,24 @@ def parse_batch_file(
             continue
         cid = obj.get("custom_id")
         if not isinstance(cid, str) or not cid:
-            errors.append(_err(no, "missing_required_parameter",
-                               f"line {no}: custom_id must be a non-empty string", "custom_id"))
+            errors.append(
+                _err(
+                    no,
+                    "missing_required_parameter",
+                    f"line {no}: custom_id must be a non-empty string",
+                    "custom_id",
+                )
+            )
             continue
         if cid in seen:
-            errors.append(_err(no, "duplicate_custom_id",
-                               f"line {no}: custom_id {cid!r} is used more than once",
-                               "custom_id"))
+            errors.append(
+                _err(
+                    no,
+                    "duplicate_custom_id",
+                    f"line {no}: custom_id {cid!r} is used more than once",
+                    "custom_id",
+                )
+            )
             continue
         seen.add(cid)
         if obj.get("method", "POST") != "POST":
@@ -66,22 +83,40 @@ def parse_batch_file(
             continue
         url = obj.get("url")
         if url not in ENDPOINTS:
-            errors.append(_err(no, "invalid_url",
-                               f"line {no}: url must be one of {', '.join(ENDPOINTS)}", "url"))
+            errors.append(
+                _err(
+                    no,
+                    "invalid_url",
+                    f"line {no}: url must be one of {', '.join(ENDPOINTS)}",
+                    "url",
+                )
+            )
             continue
         if endpoint is not None and url != endpoint:
-            errors.append(_err(no, "mismatched_url",
-                               f"line {no}: url {url!r} differs from the batch endpoint "
-                               f"{endpoint!r}", "url"))
+            errors.append(
+                _err(
+                    no,
+                    "mismatched_url",
+                    f"line {no}: url {url!r} differs from the batch endpoint {endpoint!r}",
+                    "url",
+                )
+            )
             continue
         body = obj.get("body")
         if not isinstance(body, dict):
-            errors.append(_err(no, "invalid_body", f"line {no}: body must be a JSON object",
-                               "body"))
+            errors.append(
+                _err(no, "invalid_body", f"line {no}: body must be a JSON object", "body")
+            )
             continue
         if body.get("stream"):
-            errors.append(_err(no, "invalid_body", f"line {no}: streaming is not supported in "
-                                                   "a batch", "body.stream"))
+            errors.append(
+                _err(
+                    no,
+                    "invalid_body",
+                    f"line {no}: streaming is not supported in a batch",
+                    "body.stream",
+                )
+            )
             continue
         lines.append(BatchLine(no, cid, url, body))
     if not lines and not errors:

@@ -1,4 +1,9 @@
-"""Prometheus metrics: engine gauges read at scrape time, latency histograms observed live."""
+"""Prometheus metrics: engine gauges read at scrape time, latency histograms observed live.
+
+Gauges come from `engine.stats()` when scraped rather than being pushed on every step, so the
+engine loop pays nothing for them; time to first token and inter-token latency can only be
+seen as tokens arrive, so the serving path observes those itself.
+"""
 
 from __future__ import annotations
 
@@ -15,10 +20,25 @@ if TYPE_CHECKING:
     from shoal.engine.llm_engine import Engine
     from shoal.outputs import RequestOutput
 
-_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
-                    10.0, 30.0, 60.0)
-_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0,
-                2.5)
+_LATENCY_BUCKETS = (
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
 
 
 class _EngineCollector(Collector):
@@ -40,21 +60,39 @@ class _EngineCollector(Collector):
 
         yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge("kv_cache_usage_ratio", "Fraction of KV blocks in use.",
-                    s.kv_utilization / 100.0)
+        yield gauge(
+            "kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.kv_utilization / 100.0
+        )
         yield gauge("kv_cache_blocks_used", "KV blocks in use.", s.blocks_used)
         yield gauge("kv_cache_blocks_free", "KV blocks free.", s.blocks_free)
-        yield gauge("generation_tokens_per_second",
-                    "Generated tokens per second since the previous scrape.", max(0.0, rate))
-        yield gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache.",
-                    s.prefix_cache_hit_rate)
-        yield CounterMetricFamily("shoal_generation_tokens", "Tokens generated.",
-                                  value=s.num_generated_tokens)
-        yield CounterMetricFamily("shoal_num_preemptions", "Requests preempted.",
-                                  value=s.num_preemptions)
-        known = {"step_id", "num_running", "num_waiting", "blocks_used", "blocks_free",
-                 "kv_bytes_used", "kv_utilization", "prefix_cache_hit_rate",
-                 "num_preemptions", "num_generated_tokens"}
+        yield gauge(
+            "generation_tokens_per_second",
+            "Generated tokens per second since the previous scrape.",
+            max(0.0, rate),
+        )
+        yield gauge(
+            "prefix_cache_hit_rate",
+            "Prompt tokens served from the prefix cache.",
+            s.prefix_cache_hit_rate,
+        )
+        yield CounterMetricFamily(
+            "shoal_generation_tokens", "Tokens generated.", value=s.num_generated_tokens
+        )
+        yield CounterMetricFamily(
+            "shoal_num_preemptions", "Requests preempted.", value=s.num_preemptions
+        )
+        known = {
+            "step_id",
+            "num_running",
+            "num_waiting",
+            "blocks_used",
+            "blocks_free",
+            "kv_bytes_used",
+            "kv_utilization",
+            "prefix_cache_hit_rate",
+            "num_preemptions",
+            "num_generated_tokens",
+        }
         for f in dataclasses.fields(s):  # newer engine statistics (sessions, disk cache...)
             value = getattr(s, f.name)
             if f.name not in known and isinstance(value, int | float):
@@ -67,16 +105,30 @@ class ServerMetrics:
     def __init__(self, engine: Engine) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
-        self.ttft = Histogram("shoal_time_to_first_token_seconds",
-                              "Time from arrival to the first generated token.",
-                              buckets=_LATENCY_BUCKETS, registry=self.registry)
-        self.itl = Histogram("shoal_inter_token_latency_seconds",
-                             "Time between successive generated tokens.",
-                             buckets=_ITL_BUCKETS, registry=self.registry)
-        self.requests = Counter("shoal_requests", "Finished requests by finish reason.",
-                                ["finish_reason"], registry=self.registry)
-        self.batch_requests = Counter("shoal_batch_requests", "Batch API requests by outcome.",
-                                      ["outcome"], registry=self.registry)
+        self.ttft = Histogram(
+            "shoal_time_to_first_token_seconds",
+            "Time from arrival to the first generated token.",
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.itl = Histogram(
+            "shoal_inter_token_latency_seconds",
+            "Time between successive generated tokens.",
+            buckets=_ITL_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "shoal_requests",
+            "Finished requests by finish reason.",
+            ["finish_reason"],
+            registry=self.registry,
+        )
+        self.batch_requests = Counter(
+            "shoal_batch_requests",
+            "Batch API requests by outcome.",
+            ["outcome"],
+            registry=self.registry,
+        )
 
     def finished(self, out: RequestOutput | None) -> None:
         reason = out.finish_reason if out is not None and out.finish_reason else "abort"

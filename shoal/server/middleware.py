@@ -1,4 +1,9 @@
-"""ASGI middleware: Bearer auth (constant-time), body-size limits, 503 while shutting down."""
+"""ASGI middleware: Bearer auth (constant-time), body-size limits, 503 while shutting down.
+
+Plain ASGI rather than FastAPI dependencies, so these checks run before any body is read or
+parsed: an unauthorized or oversized request costs no memory, and a request arriving during
+shutdown is refused before it can reach the engine.
+"""
 
 from __future__ import annotations
 
@@ -32,8 +37,15 @@ async def _send_error(send: Send, status: int, message: str, headers: dict[str, 
 class Guard:
     """The first thing every request meets."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None, max_body: int, max_upload: int,
-                 shutting_down: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        api_key: str | None,
+        max_body: int,
+        max_upload: int,
+        shutting_down: Callable[[], bool],
+    ) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
@@ -61,8 +73,9 @@ class Guard:
             await _send_error(send, 503, "the server is shutting down", {"Retry-After": "5"})
             return
         if not self._authorized(scope):
-            await _send_error(send, 401, "Incorrect API key provided.",
-                              {"WWW-Authenticate": "Bearer"})
+            await _send_error(
+                send, 401, "Incorrect API key provided.", {"WWW-Authenticate": "Bearer"}
+            )
             return
         limit = self.max_upload if scope["path"] == "/v1/files" else self.max_body
         for k, v in scope.get("headers", []):

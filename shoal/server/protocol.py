@@ -1,4 +1,10 @@
-"""Request bodies, shaped like OpenAI's. Unknown fields are accepted and ignored."""
+"""Request bodies, shaped like OpenAI's.
+
+Unknown fields are accepted and ignored, so clients written for OpenAI (which send fields
+shoal does not implement) keep working; the bounds here reject what is plainly invalid (a
+400) before anything reaches the engine. Known fields the engine cannot honour are refused
+with a clear 400 in `serving`, not silently dropped.
+"""
 
 from __future__ import annotations
 

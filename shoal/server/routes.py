@@ -1,4 +1,9 @@
-"""`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`."""
+"""`/v1/models`, `/v1/completions`, `/v1/chat/completions`, `/health`, `/metrics`.
+
+The HTTP-only parts of serving live here: streaming responses that abort their requests when
+the client disconnects, and non-streaming ones cancelled the same way; everything shared with
+the Batch API is in `serving`.
+"""
 
 from __future__ import annotations
 
@@ -92,8 +97,13 @@ async def get_model(state: State, model_id: str) -> dict[str, Any]:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    return {"id": state.model_name, "object": "model", "created": _STARTED, "owned_by": "shoal",
-            "max_model_len": state.engine.max_model_len}
+    return {
+        "id": state.model_name,
+        "object": "model",
+        "created": _STARTED,
+        "owned_by": "shoal",
+        "max_model_len": state.engine.max_model_len,
+    }
 
 
 @router.post("/v1/completions")
@@ -106,7 +116,9 @@ async def completions(
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
-    request: Request, state: State, req: ChatCompletionRequest,
+    request: Request,
+    state: State,
+    req: ChatCompletionRequest,
     x_session_id: SessionHeader = None,
 ) -> Response:
     prep = prepare_chat(state, req, session_id=x_session_id)

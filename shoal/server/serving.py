@@ -15,7 +15,7 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from shoal.errors import ShoalError
+from shoal.errors import InvalidRequestError, ShoalError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 from shoal.server import formatting as fmt
@@ -74,13 +74,31 @@ def _params(
         raise from_engine_error(e) from e
 
 
-def _engine_kwargs(state: ServerState, session_id: str | None, priority: int) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {"priority": priority}
-    if session_id:
-        if not state.supports_sessions:
-            raise APIError(400, "this engine does not support sessions", param="session_id")
-        kwargs["session_id"] = session_id
-    return kwargs
+def _prepared(
+    state: ServerState,
+    req: CompletionRequest | ChatCompletionRequest,
+    jobs: list[tuple[Prompt, SamplingParams]],
+    *,
+    n: int,
+    priority: int,
+    session_id: str | None,
+) -> Prepared:
+    """The parts of `Prepared` both endpoints fill the same way."""
+    chat = isinstance(req, ChatCompletionRequest)
+    engine_kwargs: dict[str, Any] = {"priority": priority}
+    sid = session_id or req.session_id  # the X-Session-Id header wins over the body
+    if sid:
+        engine_kwargs["session_id"] = sid
+    return Prepared(
+        chat=chat,
+        rid=_new_id("chatcmpl" if chat else "cmpl"),
+        created=int(time.time()),
+        model=state.model_name,
+        jobs=jobs,
+        n=n,
+        include_usage=bool(req.stream_options and req.stream_options.include_usage),
+        engine_kwargs=engine_kwargs,
+    )
 
 
 def prepare_completion(
@@ -108,16 +126,7 @@ def prepare_completion(
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     max_tokens = req.max_tokens or 16
     jobs = [(pr, _params(req, max_tokens, req.logprobs, j)) for pr in prompts for j in range(n)]
-    return Prepared(
-        chat=False,
-        rid=_new_id("cmpl"),
-        created=int(time.time()),
-        model=state.model_name,
-        jobs=jobs,
-        n=n,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        engine_kwargs=_engine_kwargs(state, session_id or req.session_id, priority),
-    )
+    return _prepared(state, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
 def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
@@ -128,7 +137,8 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             for part in m.content:
                 if part.type != "text" or part.text is None:
                     raise APIError(
-                        400, f"unsupported content part type {part.type!r}",
+                        400,
+                        f"unsupported content part type {part.type!r}",
                         param=f"messages.{i}.content",
                     )
                 texts.append(part.text)
@@ -139,20 +149,16 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
         if m.name:
             msg["name"] = m.name
         messages.append(msg)
-    engine = state.engine
-    tok = engine.tokenizer
-    if tok is None or not getattr(tok, "chat_template", None):
-        raise APIError(400, "this model has no chat template: use /v1/completions")
     try:
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return state.engine.apply_chat_template(messages)
+    except InvalidRequestError as e:  # no tokenizer or no chat template
+        raise APIError(400, f"{e}: use /v1/completions") from e
+    except ShoalError as e:
+        raise from_engine_error(e) from e
     except Exception as e:  # the template itself rejected the conversation
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
         ) from e
-    try:
-        return engine.encode(text)
-    except ShoalError as e:
-        raise from_engine_error(e) from e
 
 
 def prepare_chat(
@@ -180,16 +186,7 @@ def prepare_chat(
     jobs: list[tuple[Prompt, SamplingParams]] = [
         (ids, _params(req, max_tokens, logprobs, j)) for j in range(n)
     ]
-    return Prepared(
-        chat=True,
-        rid=_new_id("chatcmpl"),
-        created=int(time.time()),
-        model=state.model_name,
-        jobs=jobs,
-        n=n,
-        include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        engine_kwargs=_engine_kwargs(state, session_id or req.session_id, priority),
-    )
+    return _prepared(state, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
 async def _one(state: ServerState, prep: Prepared, i: int) -> AsyncGenerator[RequestOutput]:
@@ -223,9 +220,7 @@ async def _one(state: ServerState, prep: Prepared, i: int) -> AsyncGenerator[Req
         metrics.finished(final)
 
 
-async def merged(
-    state: ServerState, prep: Prepared
-) -> AsyncGenerator[tuple[int, RequestOutput]]:
+async def merged(state: ServerState, prep: Prepared) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """All choices at once, tagged by index. Closing this aborts whatever still runs."""
     if len(prep.jobs) == 1:
         async with aclosing(_one(state, prep, 0)) as gen:
@@ -342,8 +337,12 @@ async def stream_sse(
     try:
         if prep.chat:
             for i in range(k):
-                role = {"index": i, "delta": {"role": "assistant", "content": ""},
-                        "logprobs": None, "finish_reason": None}
+                role = {
+                    "index": i,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
                 yield _sse(chunk(rid, created, model, role, wu))
         pending: list[tuple[int, RequestOutput]] = [first]
         while True:
@@ -360,9 +359,16 @@ async def stream_sse(
             except StopAsyncIteration:
                 break
         if wu:
-            yield _sse({"id": rid, "object": chunk(rid, created, model, {}, wu)["object"],
-                        "created": created, "model": model, "choices": [],
-                        "usage": fmt.usage(finals)})
+            yield _sse(
+                {
+                    "id": rid,
+                    "object": chunk(rid, created, model, {}, wu)["object"],
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": fmt.usage(finals),
+                }
+            )
     except Exception as e:
         yield _sse(_as_api_error(e).body())
     finally:

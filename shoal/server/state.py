@@ -1,8 +1,11 @@
-"""What the server holds at run time: its configuration, the engine, the store, the runner."""
+"""What the server holds at run time: its configuration, the engine, the store, the runner.
+
+One `ServerState` per app, reached through `request.app.state` rather than module globals, so
+several servers can run in one process (the tests do) without sharing anything.
+"""
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -48,17 +51,12 @@ class ServerState:
     store: Store
     runner: BatchRunner
     metrics: ServerMetrics
-    supports_sessions: bool = False
     shutting_down: bool = False
     extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def model_name(self) -> str:
         return str(self.engine.model_name)
-
-
-def engine_supports_sessions(engine: Engine) -> bool:
-    return "session_id" in inspect.signature(engine.add_request).parameters
 
 
 def get_state(request: Request) -> ServerState:

@@ -82,8 +82,9 @@ class Store:
         self.files_dir = self.dir / "files"
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(self.dir / "shoal.sqlite3", check_same_thread=False,
-                                   isolation_level=None)
+        self._db = sqlite3.connect(
+            self.dir / "shoal.sqlite3", check_same_thread=False, isolation_level=None
+        )
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
@@ -103,7 +104,12 @@ class Store:
         return self.files_dir / f"{file_id}.jsonl"
 
     def create_file(
-        self, filename: str, purpose: str, content: bytes, *, file_id: str | None = None,
+        self,
+        filename: str,
+        purpose: str,
+        content: bytes,
+        *,
+        file_id: str | None = None,
         expires_at: int | None = None,
     ) -> dict[str, Any]:
         file_id = file_id or new_id("file-")
@@ -150,8 +156,10 @@ class Store:
     # -- batches ---------------------------------------------------------------------------
     def create_batch(self, obj: dict[str, Any]) -> None:
         with self._lock:
-            self._db.execute("INSERT INTO batches (id, status, obj) VALUES (?, ?, ?)",
-                             (obj["id"], obj["status"], json.dumps(obj)))
+            self._db.execute(
+                "INSERT INTO batches (id, status, obj) VALUES (?, ?, ?)",
+                (obj["id"], obj["status"], json.dumps(obj)),
+            )
 
     def get_batch(self, batch_id: str) -> dict[str, Any] | None:
         rows = self._q("SELECT obj FROM batches WHERE id = ?", (batch_id,))
@@ -164,8 +172,10 @@ class Store:
                 row = self._db.execute("SELECT obj FROM batches WHERE id = ?", (batch_id,))
                 obj = json.loads(row.fetchone()["obj"])
                 obj.update(fields)
-                self._db.execute("UPDATE batches SET status = ?, obj = ? WHERE id = ?",
-                                 (obj["status"], json.dumps(obj), batch_id))
+                self._db.execute(
+                    "UPDATE batches SET status = ?, obj = ? WHERE id = ?",
+                    (obj["status"], json.dumps(obj), batch_id),
+                )
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
@@ -191,37 +201,54 @@ class Store:
         marks = ",".join("?" * len(ACTIVE))
         rows = self._q(
             f"SELECT id FROM batches WHERE status IN ({marks}) "
-            "AND json_extract(obj, '$.input_file_id') = ?", (*ACTIVE, file_id))
+            "AND json_extract(obj, '$.input_file_id') = ?",
+            (*ACTIVE, file_id),
+        )
         return [r["id"] for r in rows]
 
     # -- batch results ---------------------------------------------------------------------
     def add_result(
-        self, batch_id: str, custom_id: str, line: int, ok: bool, body: dict[str, Any],
-        prompt_tokens: int = 0, completion_tokens: int = 0,
+        self,
+        batch_id: str,
+        custom_id: str,
+        line: int,
+        ok: bool,
+        body: dict[str, Any],
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
     ) -> bool:
         """Record one finished request; False if it was already recorded."""
         with self._lock:
             cur = self._db.execute(
                 "INSERT OR IGNORE INTO results VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (batch_id, custom_id, line, int(ok), json.dumps(body), prompt_tokens,
-                 completion_tokens),
+                (
+                    batch_id,
+                    custom_id,
+                    line,
+                    int(ok),
+                    json.dumps(body),
+                    prompt_tokens,
+                    completion_tokens,
+                ),
             )
         return cur.rowcount > 0
 
     def done_custom_ids(self, batch_id: str) -> set[str]:
-        return {r[0] for r in self._q("SELECT custom_id FROM results WHERE batch_id = ?",
-                                      (batch_id,))}
+        return {
+            r[0] for r in self._q("SELECT custom_id FROM results WHERE batch_id = ?", (batch_id,))
+        }
 
     def result_counts(self, batch_id: str) -> tuple[int, int, int, int]:
         """(completed, failed, prompt_tokens, completion_tokens)."""
         row = self._q(
             "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0), "
             "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
-            "FROM results WHERE batch_id = ?", (batch_id,))[0]
+            "FROM results WHERE batch_id = ?",
+            (batch_id,),
+        )[0]
         return int(row[0]), int(row[1]), int(row[2]), int(row[3])
 
     def results(self, batch_id: str) -> Iterator[tuple[bool, str]]:
-        rows = self._q("SELECT ok, body FROM results WHERE batch_id = ? ORDER BY line",
-                       (batch_id,))
+        rows = self._q("SELECT ok, body FROM results WHERE batch_id = ? ORDER BY line", (batch_id,))
         for r in rows:
             yield bool(r["ok"]), r["body"]

@@ -12,12 +12,17 @@ import openai
 TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
-def chat_line(custom_id: str, model: str, content: str, max_tokens: int = 8,
-              **extra: Any) -> dict[str, Any]:
-    body = {"model": model, "messages": [{"role": "user", "content": content}],
-            "max_tokens": max_tokens, "temperature": 0, **extra}
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
-            "body": body}
+def chat_line(
+    custom_id: str, model: str, content: str, max_tokens: int = 8, **extra: Any
+) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        **extra,
+    }
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
 
 
 def jsonl(lines: list[dict[str, Any]]) -> bytes:
@@ -28,8 +33,18 @@ def upload(client: openai.OpenAI, data: bytes, name: str = "in.jsonl") -> str:
     return client.files.create(file=(name, io.BytesIO(data)), purpose="batch").id
 
 
-def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = 120,
-               until: tuple[str, ...] = TERMINAL) -> Any:
+def submit_batch(
+    client: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str = "/v1/chat/completions"
+) -> Any:
+    """Upload `lines` as a batch file and start a batch over it."""
+    return client.batches.create(
+        input_file_id=upload(client, jsonl(lines)), endpoint=endpoint, completion_window="24h"
+    )  # type: ignore[arg-type]
+
+
+def wait_batch(
+    client: openai.OpenAI, batch_id: str, timeout: float = 120, until: tuple[str, ...] = TERMINAL
+) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         b = client.batches.retrieve(batch_id)

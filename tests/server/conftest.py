@@ -87,12 +87,23 @@ def spawn_server(tiny_chat_model: Path, tmp_path: Path) -> Iterator[Callable[...
         for attempt in range(3):  # a free port can be taken before the child binds it
             port = free_port()
             log = tmp_path / f"server-{port}.log"
-            cmd = [sys.executable, str(HERE / "serve_tiny.py"), "--model", str(tiny_chat_model),
-                   "--port", str(port), "--data-dir", str(data_dir), "--num-blocks",
-                   str(NUM_BLOCKS), *extra]
+            cmd = [
+                sys.executable,
+                str(HERE / "serve_tiny.py"),
+                "--model",
+                str(tiny_chat_model),
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--num-blocks",
+                str(NUM_BLOCKS),
+                *extra,
+            ]
             with log.open("wb") as fh:
-                proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT,
-                                        env=dict(os.environ))
+                proc = subprocess.Popen(
+                    cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)
+                )
             spawned = SpawnedServer(f"http://127.0.0.1:{port}", proc, log)
             procs.append(spawned)
             try:

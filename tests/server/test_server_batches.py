@@ -9,30 +9,48 @@ from collections.abc import Callable
 
 import openai
 import pytest
-from batch_helpers import chat_line, jsonl, read_lines, upload, wait_batch
+from batch_helpers import chat_line, jsonl, read_lines, submit_batch, upload, wait_batch
 from server_harness import LiveServer, wait_pool_whole
 
-PROMPTS = ["Hello world", "What is the capital of France?", "count to ten", "tell a story",
-           "The quick brown fox", "say hello"]
+PROMPTS = [
+    "Hello world",
+    "What is the capital of France?",
+    "count to ten",
+    "tell a story",
+    "The quick brown fox",
+    "say hello",
+]
 
 
 def test_round_trip_matches_direct_calls(client: openai.OpenAI, server: LiveServer) -> None:
     lines = [chat_line(f"req-{i}", server.model, p) for i, p in enumerate(PROMPTS)]
-    lines.append({"custom_id": "cmpl", "method": "POST", "url": "/v1/chat/completions",
-                  "body": {"model": "unknown-model", "messages": [{"role": "user",
-                                                                   "content": "x"}]}})
+    lines.append(
+        {
+            "custom_id": "cmpl",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "unknown-model", "messages": [{"role": "user", "content": "x"}]},
+        }
+    )
     lines.append(chat_line("bad-temp", server.model, "x", temperature=9))
     file_id = upload(client, jsonl(lines))
     f = client.files.retrieve(file_id)
     assert f.purpose == "batch" and f.bytes > 0
-    batch = client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h", metadata={"job": "t1"})
+    batch = client.batches.create(
+        input_file_id=file_id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "t1"},
+    )
     assert batch.status in ("validating", "in_progress")
     done = wait_batch(client, batch.id)
     assert done.status == "completed", done
     assert done.request_counts is not None
-    assert (done.request_counts.total, done.request_counts.completed,
-            done.request_counts.failed) == (len(lines), len(PROMPTS), 2)
+    assert (
+        done.request_counts.total,
+        done.request_counts.completed,
+        done.request_counts.failed,
+    ) == (len(lines), len(PROMPTS), 2)
     assert done.metadata == {"job": "t1"} and done.model == server.model
     assert done.completed_at and done.in_progress_at and done.finalizing_at
 
@@ -46,8 +64,11 @@ def test_round_trip_matches_direct_calls(client: openai.OpenAI, server: LiveServ
         assert line["response"]["request_id"]
     for i, p in enumerate(PROMPTS):
         direct = client.chat.completions.create(
-            model=server.model, messages=[{"role": "user", "content": p}], max_tokens=8,
-            temperature=0)
+            model=server.model,
+            messages=[{"role": "user", "content": p}],
+            max_tokens=8,
+            temperature=0,
+        )
         got = by_id[f"req-{i}"]["response"]["body"]
         assert got["choices"][0]["message"]["content"] == direct.choices[0].message.content
         assert got["object"] == "chat.completion"
@@ -59,36 +80,53 @@ def test_round_trip_matches_direct_calls(client: openai.OpenAI, server: LiveServ
 
 
 def test_completions_endpoint(client: openai.OpenAI, server: LiveServer) -> None:
-    lines = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"model": server.model, "prompt": p, "max_tokens": 5, "temperature": 0}}
-             for i, p in enumerate(PROMPTS[:3])]
-    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)),
-                                  endpoint="/v1/completions", completion_window="24h")
+    lines = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": server.model, "prompt": p, "max_tokens": 5, "temperature": 0},
+        }
+        for i, p in enumerate(PROMPTS[:3])
+    ]
+    batch = submit_batch(client, lines, endpoint="/v1/completions")
     done = wait_batch(client, batch.id)
     assert done.status == "completed" and done.error_file_id is None
     out = read_lines(client, done.output_file_id)
     for line in out:
         i = int(line["custom_id"][1:])
-        direct = client.completions.create(model=server.model, prompt=PROMPTS[i], max_tokens=5,
-                                           temperature=0)
+        direct = client.completions.create(
+            model=server.model, prompt=PROMPTS[i], max_tokens=5, temperature=0
+        )
         assert line["response"]["body"]["choices"][0]["text"] == direct.choices[0].text
 
 
 @pytest.mark.parametrize(
     ("content", "code"),
     [
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
-         b"{not json\n", "invalid_json_line"),
-        (b'{"method": "POST", "url": "/v1/chat/completions", "body": {}}\n',
-         "missing_required_parameter"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n',
-         "invalid_url"),
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
-         b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n',
-         "duplicate_custom_id"),
-        (b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n',
-         "invalid_method"),
-        (b'[1, 2]\n', "invalid_json_line"),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+            b"{not json\n",
+            "invalid_json_line",
+        ),
+        (
+            b'{"method": "POST", "url": "/v1/chat/completions", "body": {}}\n',
+            "missing_required_parameter",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}\n',
+            "invalid_url",
+        ),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n'
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {}}\n',
+            "duplicate_custom_id",
+        ),
+        (
+            b'{"custom_id": "a", "method": "GET", "url": "/v1/completions", "body": {}}\n',
+            "invalid_method",
+        ),
+        (b"[1, 2]\n", "invalid_json_line"),
         (b"\n\n", "empty_file"),
         (b"\xff\xfe", None),
     ],
@@ -104,11 +142,16 @@ def test_malformed_jsonl_rejected(client: openai.OpenAI, content: bytes, code: s
 
 
 def test_mismatched_endpoint_fails_batch(client: openai.OpenAI, server: LiveServer) -> None:
-    lines = [chat_line("a", server.model, "hi"),
-             {"custom_id": "b", "method": "POST", "url": "/v1/completions",
-              "body": {"model": server.model, "prompt": "x"}}]
-    batch = client.batches.create(input_file_id=upload(client, jsonl(lines)),
-                                  endpoint="/v1/chat/completions", completion_window="24h")
+    lines = [
+        chat_line("a", server.model, "hi"),
+        {
+            "custom_id": "b",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": server.model, "prompt": "x"},
+        },
+    ]
+    batch = submit_batch(client, lines)
     done = wait_batch(client, batch.id)
     assert done.status == "failed" and done.failed_at
     assert done.errors is not None and done.errors.data
@@ -118,14 +161,17 @@ def test_mismatched_endpoint_fails_batch(client: openai.OpenAI, server: LiveServ
 def test_bad_batch_requests(client: openai.OpenAI, server: LiveServer) -> None:
     file_id = upload(client, jsonl([chat_line("a", server.model, "hi")]))
     with pytest.raises(openai.NotFoundError):
-        client.batches.create(input_file_id="file-nope", endpoint="/v1/chat/completions",
-                              completion_window="24h")
+        client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/embeddings",
-                              completion_window="24h")
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/embeddings", completion_window="24h"
+        )
     with pytest.raises(openai.BadRequestError):
-        client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                              completion_window="1h")  # type: ignore[arg-type]
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="1h"
+        )  # type: ignore[arg-type]
     with pytest.raises(openai.NotFoundError):
         client.batches.retrieve("batch_nope")
     with pytest.raises(openai.NotFoundError):
@@ -154,8 +200,12 @@ def test_files_crud(client: openai.OpenAI, server: LiveServer) -> None:
 
 def test_list_batches_paginates(client: openai.OpenAI, server: LiveServer) -> None:
     file_id = upload(client, jsonl([chat_line("a", server.model, "hi", max_tokens=1)]))
-    made = [client.batches.create(input_file_id=file_id, endpoint="/v1/chat/completions",
-                                  completion_window="24h").id for _ in range(5)]
+    made = [
+        client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+        for _ in range(5)
+    ]
     page = client.batches.list(limit=2)
     assert [b.id for b in page.data] == made[::-1][:2] and page.has_more
     seen = [b.id for b in client.batches.list(limit=2)]  # auto-paginates with `after`
@@ -167,10 +217,11 @@ def test_list_batches_paginates(client: openai.OpenAI, server: LiveServer) -> No
 def test_cancel(start_server: Callable[..., LiveServer]) -> None:
     live = start_server(batch_concurrency=2, max_num_seqs=2)
     c = live.client()
-    lines = [chat_line(f"r{i}", live.model, "count to ten", max_tokens=200, ignore_eos=True)
-             for i in range(20)]
-    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
-                             endpoint="/v1/chat/completions", completion_window="24h")
+    lines = [
+        chat_line(f"r{i}", live.model, "count to ten", max_tokens=200, ignore_eos=True)
+        for i in range(20)
+    ]
+    batch = submit_batch(c, lines)
     wait_batch(c, batch.id, until=("in_progress",))
     cancelling = c.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
@@ -183,18 +234,16 @@ def test_cancel(start_server: Callable[..., LiveServer]) -> None:
     assert done.request_counts is not None and done.request_counts.completed == len(out)
     assert wait_pool_whole(live)
     with pytest.raises(openai.BadRequestError):
-        c.batches.cancel(wait_batch(c, c.batches.create(
-            input_file_id=upload(c, jsonl(lines[:1])), endpoint="/v1/chat/completions",
-            completion_window="24h").id).id)
+        c.batches.cancel(wait_batch(c, submit_batch(c, lines[:1]).id).id)
 
 
 def test_expiry(start_server: Callable[..., LiveServer]) -> None:
     live = start_server(batch_concurrency=1, max_num_seqs=1, batch_window_s=1)
     c = live.client()
-    lines = [chat_line(f"r{i}", live.model, "count", max_tokens=150, ignore_eos=True)
-             for i in range(30)]
-    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
-                             endpoint="/v1/chat/completions", completion_window="24h")
+    lines = [
+        chat_line(f"r{i}", live.model, "count", max_tokens=150, ignore_eos=True) for i in range(30)
+    ]
+    batch = submit_batch(c, lines)
     done = wait_batch(c, batch.id)
     assert done.status == "expired" and done.expired_at
     out = read_lines(c, done.output_file_id)
@@ -211,17 +260,18 @@ def test_interactive_overtakes_batch(start_server: Callable[..., LiveServer]) ->
     goes ahead of them instead of queueing behind."""
     live = start_server(batch_concurrency=4, max_num_seqs=1)
     c = live.client()
-    lines = [chat_line(f"r{i}", live.model, "count", max_tokens=80, ignore_eos=True)
-             for i in range(8)]
-    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
-                             endpoint="/v1/chat/completions", completion_window="24h")
+    lines = [
+        chat_line(f"r{i}", live.model, "count", max_tokens=80, ignore_eos=True) for i in range(8)
+    ]
+    batch = submit_batch(c, lines)
     wait_batch(c, batch.id, until=("in_progress",))
     deadline = time.monotonic() + 30
     while live.state.engine.stats().num_waiting < 3:  # one running, three queued
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    c.chat.completions.create(model=live.model, messages=[{"role": "user", "content": "hi"}],
-                              max_tokens=4, temperature=0)
+    c.chat.completions.create(
+        model=live.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
     counts = c.batches.retrieve(batch.id).request_counts
     assert counts is not None and counts.completed <= 2, counts
     assert wait_batch(c, batch.id).status == "completed"

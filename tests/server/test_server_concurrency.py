@@ -33,9 +33,15 @@ def _wait_aborts(server: LiveServer, at_least: float, timeout: float = 10) -> bo
 
 async def _client(http: httpx.AsyncClient, server: LiveServer, i: int) -> str:
     leave = i % 10 == 0
-    body = {"model": server.model, "stream": True, "max_tokens": MAX_TOKENS, "ignore_eos": True,
-            "temperature": 0.8, "seed": i,
-            "messages": [{"role": "user", "content": f"client {i}: tell a story"}]}
+    body = {
+        "model": server.model,
+        "stream": True,
+        "max_tokens": MAX_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "seed": i,
+        "messages": [{"role": "user", "content": f"client {i}: tell a story"}],
+    }
     chunks = 0
     async with http.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200, await r.aread()
@@ -71,13 +77,16 @@ def test_many_streams_with_disconnects(server: LiveServer) -> None:
 
 def test_non_streaming_disconnect_aborts(server: LiveServer) -> None:
     aborts_before = _aborts(server)
-    body = json.dumps({"model": server.model, "prompt": "Hello", "max_tokens": 400,
-                       "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": server.model, "prompt": "Hello", "max_tokens": 400, "ignore_eos": True}
+    ).encode()
     host, port = server.url.removeprefix("http://").split(":")
     with socket.create_connection((host, int(port))) as sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
-                     b"Content-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         deadline = time.monotonic() + 10
         while not server.state.engine.has_unfinished_requests():  # wait until it runs
             assert time.monotonic() < deadline

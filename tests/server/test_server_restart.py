@@ -10,19 +10,22 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-from batch_helpers import chat_line, jsonl, read_lines, upload, wait_batch
+from batch_helpers import chat_line, read_lines, submit_batch, wait_batch
 from server_harness import SpawnedServer
 
 N = 24
 
 
-def _start_batch(srv: SpawnedServer, model: str) -> str:
+def _batch_partway(srv: SpawnedServer) -> tuple[str, int]:
+    """Start a batch of N requests and wait until some are done: (batch id, how many)."""
     c = srv.client()
-    lines = [chat_line(f"r{i}", model, f"request number {i}", max_tokens=48, ignore_eos=True)
-             for i in range(N)]
-    batch = c.batches.create(input_file_id=upload(c, jsonl(lines)),
-                             endpoint="/v1/chat/completions", completion_window="24h")
-    return batch.id
+    model = c.models.list().data[0].id
+    lines = [
+        chat_line(f"r{i}", model, f"request number {i}", max_tokens=48, ignore_eos=True)
+        for i in range(N)
+    ]
+    batch_id = str(submit_batch(c, lines).id)
+    return batch_id, _wait_partial(srv, batch_id)
 
 
 def _wait_partial(srv: SpawnedServer, batch_id: str, timeout: float = 120) -> int:
@@ -60,9 +63,7 @@ def test_kill_and_restart_mid_batch(
 ) -> None:
     data = tmp_path / "data"
     srv = spawn_server(data)
-    model = srv.client().models.list().data[0].id
-    batch_id = _start_batch(srv, model)
-    before = _wait_partial(srv, batch_id)
+    batch_id, before = _batch_partway(srv)
     srv.kill()
     srv2 = spawn_server(data)
     b = srv2.client().batches.retrieve(batch_id)
@@ -75,9 +76,7 @@ def test_sigterm_checkpoints_and_resumes(
 ) -> None:
     data = tmp_path / "data"
     srv = spawn_server(data)
-    model = srv.client().models.list().data[0].id
-    batch_id = _start_batch(srv, model)
-    _wait_partial(srv, batch_id)
+    batch_id, _ = _batch_partway(srv)
     # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a clean exit too.
     assert srv.terminate() in (0, -15)
     assert "Traceback" not in srv.log.read_text()
@@ -90,8 +89,14 @@ def test_sigterm_lets_inflight_streams_finish(
 ) -> None:
     srv = spawn_server(tmp_path / "data")
     model = srv.client().models.list().data[0].id
-    body = {"model": model, "prompt": "Hello", "max_tokens": 150, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": "Hello",
+        "max_tokens": 150,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     usage = None
     with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
         lines = r.iter_lines()

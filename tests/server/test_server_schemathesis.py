@@ -38,13 +38,22 @@ def test_no_server_errors(server: LiveServer) -> None:
             strategy = op.as_strategy(generation_mode=mode)
 
             @given(case=strategy)
-            @settings(max_examples=EXAMPLES, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=EXAMPLES,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                suppress_health_check=list(HealthCheck),
+            )
             def run(case: Any) -> None:
                 _clamp(case.body, server.model)
                 response = case.call(base_url=server.url, timeout=60)
                 assert response.status_code < 500, (
-                    case.method, case.path, case.body, response.text)
+                    case.method,
+                    case.path,
+                    case.body,
+                    response.text,
+                )
 
             try:
                 run()
