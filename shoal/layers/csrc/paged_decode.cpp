@@ -2,12 +2,14 @@
 //
 // Each sequence has one query token. Keys and values are read in place from their blocks, so
 // nothing is gathered into a padded copy (torch's gather moved ~1 GB per decode step on
-// SmolLM2 at 64 sequences). Two passes per (sequence, kv head): scores for every cached token
-// and every query head of the group, then a softmax-weighted sum of the values.
-// Work is split over sequences with std::thread; no OpenMP runtime, so it never fights
-// torch's thread pool.
+// SmolLM2 at 64 sequences). Per sequence, two sequential passes over its blocks: scores of
+// every query head against each cached token (all kv heads of a token sit together in
+// memory), then the softmax-weighted sum of the values. Threads pull sequences from a shared
+// counter, so long and short contexts balance; std::thread, not OpenMP, so it never fights
+// torch's own thread pool.
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <thread>
@@ -15,89 +17,92 @@
 
 namespace {
 
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, max_blocks;
+};
+
 template <typename T>
-void decode_range(const T* q, const T* kc, const T* vc, const int64_t* tables,
-                  const int64_t* lens, T* out, int64_t heads, int64_t kv_heads,
-                  int64_t dim, int64_t block_size, int64_t max_blocks, double scale,
-                  int64_t begin, int64_t end) {
-  const int64_t group = heads / kv_heads;
-  std::vector<T> scores;
-  std::vector<T> acc(group * dim);
-  for (int64_t b = begin; b < end; ++b) {
-    const int64_t len = lens[b];
-    const int64_t* table = tables + b * max_blocks;
-    scores.resize(group * len);
-    for (int64_t kh = 0; kh < kv_heads; ++kh) {
-      const T* qg = q + (b * heads + kh * group) * dim;
-      for (int64_t t = 0; t < len; ++t) {
-        const T* k = kc + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const T* qh = qg + g * dim;
-          T s = 0;
-#pragma omp simd reduction(+ : s)
-          for (int64_t d = 0; d < dim; ++d) s += qh[d] * k[d];
-          scores[g * len + t] = s * static_cast<T>(scale);
-        }
+void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int64_t len,
+                T* out, const Shape& s, T scale, std::vector<T>& scores, std::vector<T>& acc) {
+  const int64_t group = s.heads / s.kv_heads, dim = s.dim, heads = s.heads;
+  const int64_t token_stride = s.kv_heads * dim;
+  scores.resize(heads * len);
+  // Pass 1: scores[h][t] = q[h] . k[t][h / group] * scale.
+  for (int64_t start = 0; start < len; start += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - start);
+    const T* block = kc + table[start / s.block_size] * s.block_size * token_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* k = block + i * token_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T* qh = q + h * dim;
+        const T* kh = k + (h / group) * dim;
+        T dot = 0;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+        scores[h * len + start + i] = dot * scale;
       }
-      for (int64_t g = 0; g < group; ++g) {
-        T* sg = scores.data() + g * len;
-        const T m = *std::max_element(sg, sg + len);
-        T total = 0;
-#pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < len; ++t) total += (sg[t] = std::exp(sg[t] - m));
-        const T inv = 1 / total;
-#pragma omp simd
-        for (int64_t t = 0; t < len; ++t) sg[t] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), T(0));
-      for (int64_t t = 0; t < len; ++t) {
-        const T* v = vc + ((table[t / block_size] * block_size + t % block_size) * kv_heads + kh) * dim;
-        for (int64_t g = 0; g < group; ++g) {
-          const T p = scores[g * len + t];
-          T* a = acc.data() + g * dim;
-#pragma omp simd
-          for (int64_t d = 0; d < dim; ++d) a[d] += p * v[d];
-        }
-      }
-      T* o = out + (b * heads + kh * group) * dim;
-      std::copy(acc.begin(), acc.end(), o);
     }
   }
+  // Softmax over each head's row.
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = scores.data() + h * len;
+    const T m = *std::max_element(row, row + len);
+    T total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - m);
+      total += row[t];
+    }
+    const T inv = T(1) / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+  }
+  // Pass 2: out[h] = sum_t p[h][t] * v[t][h / group].
+  acc.assign(heads * dim, T(0));
+  for (int64_t start = 0; start < len; start += s.block_size) {
+    const int64_t n = std::min(s.block_size, len - start);
+    const T* block = vc + table[start / s.block_size] * s.block_size * token_stride;
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = block + i * token_stride;
+      for (int64_t h = 0; h < heads; ++h) {
+        const T p = scores[h * len + start + i];
+        const T* vh = v + (h / group) * dim;
+        T* a = acc.data() + h * dim;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) a[d] += p * vh[d];
+      }
+    }
+  }
+  std::copy(acc.begin(), acc.end(), out);
 }
 
 template <typename T>
 void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const int64_t* lens,
-            T* out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
-            int64_t block_size, int64_t max_blocks, double scale, int64_t num_threads) {
-  num_threads = std::max<int64_t>(1, std::min(num_threads, batch));
+            T* out, int64_t batch, const Shape& s, double scale, int64_t num_threads) {
+  std::atomic<int64_t> next{0};
+  auto work = [&] {
+    std::vector<T> scores, acc;
+    for (int64_t b; (b = next.fetch_add(1)) < batch;) {
+      attend_one<T>(q + b * s.heads * s.dim, kc, vc, tables + b * s.max_blocks, lens[b],
+                    out + b * s.heads * s.dim, s, static_cast<T>(scale), scores, acc);
+    }
+  };
   std::vector<std::thread> workers;
-  const int64_t per = (batch + num_threads - 1) / num_threads;
-  for (int64_t i = 1; i < num_threads; ++i) {
-    const int64_t begin = i * per, end = std::min(batch, begin + per);
-    if (begin < end)
-      workers.emplace_back(decode_range<T>, q, kc, vc, tables, lens, out, heads, kv_heads,
-                           dim, block_size, max_blocks, scale, begin, end);
-  }
-  decode_range<T>(q, kc, vc, tables, lens, out, heads, kv_heads, dim, block_size, max_blocks,
-                  scale, 0, std::min(batch, per));
+  for (int64_t i = 1; i < std::min(num_threads, batch); ++i) workers.emplace_back(work);
+  work();
   for (auto& w : workers) w.join();
 }
 
 }  // namespace
 
-extern "C" {
-void paged_decode_f32(const float* q, const float* kc, const float* vc, const int64_t* tables,
-                      const int64_t* lens, float* out, int64_t batch, int64_t heads,
-                      int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks,
-                      double scale, int64_t num_threads) {
-  decode<float>(q, kc, vc, tables, lens, out, batch, heads, kv_heads, dim, block_size,
-                max_blocks, scale, num_threads);
-}
-void paged_decode_f64(const double* q, const double* kc, const double* vc,
-                      const int64_t* tables, const int64_t* lens, double* out, int64_t batch,
-                      int64_t heads, int64_t kv_heads, int64_t dim, int64_t block_size,
-                      int64_t max_blocks, double scale, int64_t num_threads) {
-  decode<double>(q, kc, vc, tables, lens, out, batch, heads, kv_heads, dim, block_size,
-                 max_blocks, scale, num_threads);
-}
-}
+#define SHOAL_DECODE(NAME, T)                                                                 \
+  extern "C" void NAME(const T* q, const T* kc, const T* vc, const int64_t* tables,           \
+                       const int64_t* lens, T* out, int64_t batch, int64_t heads,             \
+                       int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, \
+                       double scale, int64_t num_threads) {                                   \
+    decode<T>(q, kc, vc, tables, lens, out, batch,                                            \
+              Shape{heads, kv_heads, dim, block_size, max_blocks}, scale, num_threads);       \
+  }
+
+SHOAL_DECODE(paged_decode_f32, float)
+SHOAL_DECODE(paged_decode_f64, double)
