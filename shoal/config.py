@@ -24,7 +24,7 @@ class EngineConfig:
     kv_cache_bytes: int = 2 * GiB
     num_blocks: int | None = None
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     min_batch_size: int = 1
     batch_wait_s: float = 0.005
