@@ -24,7 +24,16 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-pthread"]
+_FLAGS = [
+    "-O3",
+    "-march=native",
+    "-ffast-math",
+    "-fopenmp-simd",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+    "-pthread",
+]
 _FUNCS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 
 
