@@ -3,8 +3,8 @@
 No torch headers are involved, so a build takes about a second; the library is cached under
 `$SHOAL_CACHE_DIR` (default `~/.cache/shoal`) keyed by source, compiler and CPU. Without a
 compiler (or with `SHOAL_DISABLE_CPU_KERNELS=1`) callers fall back to the pure-torch path.
-`-ffast-math` lets the softmax use vector `exp` (about 1.5x on the kernel); its inputs are
-finite attention scores, so nothing relies on IEEE special cases.
+Fast math lets the softmax use vector `exp` (about 1.5x on the kernel); its inputs are finite
+attention scores, so nothing relies on IEEE special cases.
 """
 
 from __future__ import annotations
@@ -24,16 +24,10 @@ import torch
 
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-_FLAGS = [
-    "-O3",
-    "-march=native",
-    "-ffast-math",
-    "-fopenmp-simd",
-    "-std=c++17",
-    "-shared",
-    "-fPIC",
-    "-pthread",
-]
+# Compile with fast math (vector `exp` in the softmax) but link without it: linking with
+# -ffast-math would pull in crtfastmath.o, which flushes subnormals for the whole process.
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp-simd", "-std=c++17", "-fPIC", "-c"]
+_LINK = ["-shared", "-pthread"]
 _FUNCS = {torch.float32: "paged_decode_f32", torch.float64: "paged_decode_f64"}
 
 
@@ -57,20 +51,24 @@ def load() -> ctypes.CDLL | None:
         log.warning("no C++ compiler found: using the slower pure-torch decode attention")
         return None
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    flags = " ".join([cxx, *_COMPILE, *_LINK, _cpu_id()])
+    key = hashlib.sha256(source + flags.encode()).hexdigest()[:16]
     cache = Path(os.environ.get("SHOAL_CACHE_DIR", "~/.cache/shoal")).expanduser() / "kernels"
     lib_path = cache / f"paged_decode-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        try:
-            subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True)
-            os.replace(tmp, lib_path)  # atomic: concurrent builders never see a partial file
-        except (OSError, subprocess.CalledProcessError) as e:
-            Path(tmp).unlink(missing_ok=True)
-            log.warning("building the CPU kernels failed (%s): using pure torch", e)
-            return None
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:
+            obj, built = Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
+            try:
+                for cmd in (
+                    [cxx, *_COMPILE, str(_SOURCE), "-o", str(obj)],
+                    [cxx, *_LINK, str(obj), "-o", str(built)],
+                ):
+                    subprocess.run(cmd, check=True, capture_output=True)
+                os.replace(built, lib_path)  # atomic: concurrent builders never see a partial file
+            except (OSError, subprocess.CalledProcessError) as e:
+                log.warning("building the CPU kernels failed (%s): using pure torch", e)
+                return None
     lib = ctypes.CDLL(str(lib_path))
     for name in _FUNCS.values():
         fn = getattr(lib, name)
