@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.engine.host_memory import keep_freed_memory
 from shoal.engine.sampler import Sampled, sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
@@ -19,6 +20,8 @@ class ModelRunner:
         self.model = model.to(device).eval()
         self.block_size = block_size
         self.device = torch.device(device)
+        if self.device.type == "cpu":
+            keep_freed_memory()
         cfg = model.config
         dtype = model.embed_tokens.dtype
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
@@ -57,14 +60,7 @@ class ModelRunner:
                 decode_tables.append(seq.block_table[:num_blocks])
                 decode_lens.append(end)
             else:
-                mask = None
-                if start > 0:
-                    key_pos = torch.arange(end, device=self.device)
-                    query_pos = torch.arange(start, end, device=self.device)
-                    mask = key_pos[None, :] <= query_pos[:, None]
-                prefills.append(
-                    PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks]), mask)
-                )
+                prefills.append(PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks])))
             if end == seq.num_tokens:
                 logit_rows.append(q_start + n - 1)
                 sampled_seqs.append(seq)

@@ -3,8 +3,14 @@
 The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step writes the
 new keys and values to their slots, then every query attends to its own sequence's blocks:
 decodes in one call (the C++ kernel reads blocks in place; the torch fallback gathers them
-into a padded batch), prefill chunks one sequence at a time with a causal mask offset by the
-tokens already cached.
+into a padded batch), prefill chunks one sequence at a time, causally, after the tokens
+already cached.
+
+Prefill on CPU is two matrix products per KV head through oneDNN, with the query heads that
+share a KV head stacked into one operand (grouped-query packing) and the query rows tiled so
+the scores stay in cache and causally masked tiles skip the keys they cannot see. On the
+reference 2-core machine this ran 1.3 to 2.3x faster than torch's fused CPU SDPA for the
+engine's shapes; elsewhere (CUDA, half precision) SDPA is used.
 """
 
 from __future__ import annotations
@@ -15,17 +21,20 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels
+from shoal.layers.linear import matmul_nt
+
+_SCORE_TILE_ELEMS = 1 << 20  # scores per tile (4 MiB in float32): kept in L2 on the reference CPU
 
 
 @dataclass(slots=True)
 class PrefillChunk:
-    """Query rows `[q_start, q_start + q_len)` of one sequence with `context_len` keys in all."""
+    """Query rows `[q_start, q_start + q_len)` of one sequence, the last `q_len` of its
+    `context_len` positions."""
 
     q_start: int
     q_len: int
     context_len: int
     block_ids: torch.Tensor  # blocks covering the context
-    mask: torch.Tensor | None  # None: nothing cached before the chunk, plain causal attention
 
 
 @dataclass(slots=True)
@@ -70,22 +79,71 @@ def paged_attention(
 
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
-        if chunk.mask is None:
+        if chunk.context_len == chunk.q_len:  # nothing cached before the chunk
             keys, values = k[rows], v[rows]
         else:
             keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
             values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
-        # 4-D inputs take torch's fused CPU kernel; 3-D ones fell back to the slow math path.
-        out[rows] = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=chunk.mask,
-            is_causal=chunk.mask is None,
-            scale=scale,
-            enable_gqa=True,
-        )[0].transpose(0, 1)
+        out[rows] = prefill_attention(q[rows], keys, values, scale)
     return out
+
+
+def prefill_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of q `[L, H, D]`, the last L of C positions, over keys and values
+    `[C, KVH, D]`. Returns `[L, H, D]`."""
+    if q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64):
+        return _tiled_prefill(q, keys, values, scale)
+    return _sdpa_prefill(q, keys, values, scale)
+
+
+def _tiled_prefill(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    q_len, heads, head_dim = q.shape
+    ctx, kv_heads = keys.shape[:2]
+    group = heads // kv_heads
+    offset = ctx - q_len
+    tile = max(1, min(q_len, _SCORE_TILE_ELEMS // (group * ctx)))
+    # Additive mask of the causal triangle a tile of rows shares with its own positions.
+    causal = torch.full((tile, tile), float("-inf"), dtype=q.dtype).triu_(1)
+    # Rows ordered (token, head in group), so a tile of tokens is a contiguous block of rows.
+    grouped_q = (q * scale).view(q_len, kv_heads, group, head_dim)
+    k_heads = keys.transpose(0, 1).contiguous()  # [KVH, C, D]
+    v_heads_t = values.permute(1, 2, 0).contiguous()  # [KVH, D, C]
+    out = torch.empty_like(q)
+    for h in range(kv_heads):
+        q_h = grouped_q[:, h].reshape(q_len * group, head_dim)
+        cols = slice(h * group, (h + 1) * group)
+        for t0 in range(0, q_len, tile):
+            t1 = min(q_len, t0 + tile)
+            n, end = t1 - t0, offset + t1  # keys past `end` are in every row's future
+            scores = matmul_nt(q_h[t0 * group : t1 * group], k_heads[h, :end])
+            scores.view(n, group, end)[:, :, offset + t0 :] += causal[:n, None, :n]
+            probs = torch.softmax(scores, dim=-1)
+            out[t0:t1, cols] = matmul_nt(probs, v_heads_t[h, :, :end]).view(n, group, head_dim)
+    return out
+
+
+def _sdpa_prefill(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
+) -> torch.Tensor:
+    q_len, ctx = q.shape[0], keys.shape[0]
+    mask = None
+    if ctx > q_len:
+        key_pos = torch.arange(ctx, device=q.device)
+        mask = key_pos[None, :] <= torch.arange(ctx - q_len, ctx, device=q.device)[:, None]
+    # 4-D inputs take torch's fused kernels; 3-D ones fall back to the slow math path.
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        keys.transpose(0, 1)[None],
+        values.transpose(0, 1)[None],
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
+    )[0].transpose(0, 1)
 
 
 def _gathered_decode(

@@ -24,6 +24,17 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     )
 
 
+def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a @ b.T` for 2-D tensors through oneDNN where usable: attention's two products.
+
+    oneDNN takes a strided operand through a reference path about 1000x slower, so both are made
+    contiguous first (a no-op when they are).
+    """
+    if a.dtype != b.dtype or not onednn_usable(b):
+        return nn.functional.linear(a, b)
+    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
+
+
 class Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__()
