@@ -21,7 +21,10 @@ log = logging.getLogger(__name__)
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
-_THRESHOLD = 1 << 30  # blocks up to 1 GiB come from (and return to) the heap; the KV pool is above
+# glibc's ceiling for the mmap threshold (half a thread arena's 64 MiB heap): a step's largest
+# temporaries (25 MB of MLP activations at 2048 tokens on SmolLM2) stay below it.
+_MMAP_THRESHOLD = 32 << 20
+_TRIM_THRESHOLD = 1 << 30
 
 
 @functools.cache
@@ -33,8 +36,10 @@ def keep_freed_memory() -> bool:
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        options = (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD)
-        ok = all(libc.mallopt(opt, _THRESHOLD) == 1 for opt in options)
+        ok = (
+            libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD) == 1
+            and libc.mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD) == 1
+        )
     except (OSError, AttributeError):
         ok = False
     if not ok:
