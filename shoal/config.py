@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from shoal.errors import InvalidRequestError
 
 GiB = 1 << 30
+
+
+def cache_root() -> Path:
+    """Where shoal keeps what it can rebuild (compiled kernels, GGUF metadata):
+    `$SHOAL_CACHE_DIR`, default `~/.cache/shoal`."""
+    return Path(os.environ.get("SHOAL_CACHE_DIR", "~/.cache/shoal")).expanduser()
 
 
 @dataclass(slots=True)

