@@ -30,9 +30,7 @@ _TRIM_THRESHOLD = 1 << 30
 @functools.cache
 def keep_freed_memory() -> bool:
     """Tune glibc's malloc once; True when it was tuned."""
-    if os.environ.get("SHOAL_MALLOC_TUNING", "1") == "0" or platform.system() != "Linux":
-        return False
-    if platform.libc_ver()[0] != "glibc":
+    if os.environ.get("SHOAL_MALLOC_TUNING", "1") == "0" or platform.libc_ver()[0] != "glibc":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

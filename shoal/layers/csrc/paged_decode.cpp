@@ -21,14 +21,29 @@ struct Shape {
   int64_t heads, kv_heads, dim, block_size, max_blocks;
 };
 
-// Requests one token's keys or values ahead of use. Blocks sit anywhere in the pool and the
-// hardware prefetcher stops at page boundaries, so each pass fetches the next block while it
-// reads the current one (1.7-2x on SmolLM2-sized batches whose KV is not in cache).
-template <typename T>
-inline void prefetch(const T* p, int64_t count) {
-  const char* bytes = reinterpret_cast<const char*>(p);
-  const int64_t size = count * int64_t(sizeof(T));
-  for (int64_t off = 0; off < size; off += 64) __builtin_prefetch(bytes + off);
+// Calls fn(t, row) with each of the first `len` tokens' rows of `cache` (keys or values), block
+// by block. Blocks sit anywhere in the pool and the hardware prefetcher stops at page
+// boundaries, so the next block is requested while the current one is read (1.7-2x on
+// SmolLM2-sized batches whose KV is not in cache).
+template <typename T, typename Fn>
+inline void for_each_token(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                           int64_t token_stride, Fn&& fn) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t token_bytes = token_stride * int64_t(sizeof(T));
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start), j = start / block_size;
+    const T* block = cache + table[j] * block_stride;
+    const char* next =
+        start + n < len ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride)
+                        : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      if (next) {
+        for (int64_t off = 0; off < token_bytes; off += 64)
+          __builtin_prefetch(next + i * token_bytes + off);
+      }
+      fn(start + i, block + i * token_stride);
+    }
+  }
 }
 
 // DIM > 0 fixes the head size at compile time, so the dot products unroll into registers
@@ -38,26 +53,18 @@ void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int6
                 T* out, const Shape& s, T scale, std::vector<T>& scores, std::vector<T>& acc) {
   const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, heads = s.heads;
   const int64_t token_stride = s.kv_heads * dim;
-  const int64_t block_stride = s.block_size * token_stride;
   scores.resize(heads * len);
   // Pass 1: scores[h][t] = q[h] . k[t][h / group] * scale.
-  for (int64_t start = 0; start < len; start += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - start), j = start / s.block_size;
-    const T* block = kc + table[j] * block_stride;
-    const T* next = start + n < len ? kc + table[j + 1] * block_stride : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
-      if (next) prefetch(next + i * token_stride, token_stride);
-      const T* k = block + i * token_stride;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T* qh = q + h * dim;
-        const T* kh = k + (h / group) * dim;
-        T dot = 0;
+  for_each_token(kc, table, len, s.block_size, token_stride, [&](int64_t t, const T* k) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* qh = q + h * dim;
+      const T* kh = k + (h / group) * dim;
+      T dot = 0;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
-        scores[h * len + start + i] = dot * scale;
-      }
+      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * kh[d];
+      scores[h * len + t] = dot * scale;
     }
-  }
+  });
   // Softmax over each head's row.
   for (int64_t h = 0; h < heads; ++h) {
     T* row = scores.data() + h * len;
@@ -74,22 +81,15 @@ void attend_one(const T* q, const T* kc, const T* vc, const int64_t* table, int6
   }
   // Pass 2: out[h] = sum_t p[h][t] * v[t][h / group].
   acc.assign(heads * dim, T(0));
-  for (int64_t start = 0; start < len; start += s.block_size) {
-    const int64_t n = std::min(s.block_size, len - start), j = start / s.block_size;
-    const T* block = vc + table[j] * block_stride;
-    const T* next = start + n < len ? vc + table[j + 1] * block_stride : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
-      if (next) prefetch(next + i * token_stride, token_stride);
-      const T* v = block + i * token_stride;
-      for (int64_t h = 0; h < heads; ++h) {
-        const T p = scores[h * len + start + i];
-        const T* vh = v + (h / group) * dim;
-        T* a = acc.data() + h * dim;
+  for_each_token(vc, table, len, s.block_size, token_stride, [&](int64_t t, const T* v) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T p = scores[h * len + t];
+      const T* vh = v + (h / group) * dim;
+      T* a = acc.data() + h * dim;
 #pragma omp simd
-        for (int64_t d = 0; d < dim; ++d) a[d] += p * vh[d];
-      }
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * vh[d];
     }
-  }
+  });
   std::copy(acc.begin(), acc.end(), out);
 }
 
@@ -104,7 +104,7 @@ void decode(const T* q, const T* kc, const T* vc, const int64_t* tables, const i
     std::vector<T> scores, acc;
     for (int64_t b; (b = next.fetch_add(1)) < batch;) {
       attend(q + b * s.heads * s.dim, kc, vc, tables + b * s.max_blocks, lens[b],
-                    out + b * s.heads * s.dim, s, static_cast<T>(scale), scores, acc);
+             out + b * s.heads * s.dim, s, static_cast<T>(scale), scores, acc);
     }
   };
   std::vector<std::thread> workers;
