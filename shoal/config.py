@@ -38,7 +38,6 @@ class EngineConfig:
     batch_wait_s: float = 0.005
     enable_prefix_caching: bool = True
     max_waiting: int = 100_000
-    seed: int = 0
     # Session KV spilled from the pool goes to disk: here, to survive restarts (else a private
     # temporary folder), at most `disk_cache_bytes` of it, least recently used dropped first.
     cache_dir: str | None = None

@@ -8,8 +8,9 @@ from typing import Any
 from rich.progress import Progress
 
 from shoal.config import EngineConfig
-from shoal.engine.llm_engine import Engine, EngineStats
+from shoal.engine.llm_engine import Engine
 from shoal.engine.sessions import SessionInfo
+from shoal.engine.stats import EngineStats
 from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams

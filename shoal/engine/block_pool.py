@@ -2,8 +2,8 @@
 
 Free blocks wait in an ordered queue: the head is reused (and its cached contents evicted)
 first. A block whose contents are cached goes to the tail when freed, so cached prefixes
-outlive scratch blocks, which go to the head. A block with `ref_cnt > 0` belongs to a running
-request: it is pinned and can never be evicted.
+outlive scratch blocks, which go to the head. A block with `ref_cnt > 0` is referenced (by a
+running request or a session) and can never be evicted.
 """
 
 from __future__ import annotations
@@ -13,6 +13,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from shoal.errors import PoolExhaustedError
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: how many blocks of `b` tokens hold `a` tokens."""
+    return -(-a // b)
 
 
 @dataclass(slots=True, eq=False)
@@ -31,7 +36,6 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
-        self.num_evictions = 0
 
     @property
     def num_free(self) -> int:
@@ -40,9 +44,6 @@ class BlockPool:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
-
-    def is_free(self, block_id: int) -> bool:
-        return block_id in self._free
 
     def lookup(self, h: bytes) -> int | None:
         return self._cached.get(h)
@@ -58,7 +59,6 @@ class BlockPool:
             if block.hash is not None:
                 del self._cached[block.hash]
                 block.hash = None
-                self.num_evictions += 1
             block.ref_cnt = 1
             out.append(block_id)
         return out

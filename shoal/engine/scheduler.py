@@ -135,10 +135,7 @@ class Scheduler:
                 if admitted is None:
                     break  # keep FIFO: a later request may not jump ahead for memory
                 n, hit = admitted
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = seq.num_computed_tokens
-                    self.kv.record_admission(seq, seq.num_computed_tokens)
-                self.kv.pin(seq, hit)
+                self.kv.admitted(seq, hit)
                 del self.waiting[j]
                 seq.status = SequenceStatus.RUNNING
                 bisect.insort(self.running, seq, key=self._key)
@@ -161,7 +158,8 @@ class Scheduler:
         if hit.session is None or self.running:
             return None
         # Alone in an idle engine, only its own session's blocks can stand in the way.
-        self.kv.evict_session(hit.session)
+        assert self.kv.sessions is not None
+        self.kv.sessions.evict(hit.session)
         hit = self.kv.find_prefix(seq, use_session=False)
         n = min(seq.num_tokens - hit.num_tokens, budget)
         return (n, hit) if self.kv.allocate_hit(seq, n, hit) else None

@@ -2,36 +2,70 @@
 
 A session keeps the token ids of its last turn and the pool blocks holding their KV, with one
 reference on each block, so idle session KV is not churned by the prefix cache (SGLang's
-`lock_ref`). A session is pinned while one of its requests is in the running batch (the
-request holds its own reference on every block it uses, so eviction never touches those). Idle
-sessions are evicted first, least recently used first, and spilled to the disk tier through
-`SessionIO` rather than lost; what a pinned session holds beyond its request's blocks goes
-only when the alternative is preempting a running request. The KV manager and the scheduler
-only see this module and the `SessionIO` protocol; the torch side (copies, safetensors files)
-lives in `kv_store`.
+`lock_ref`). `SessionManager` is the only writer of session state; a session is always in one
+of three states:
+
+    RUNNING   one of its requests is in the running batch: the session is *pinned*
+    RESIDENT  idle, its KV in the pool: evictable, least recently used first
+    SPILLED   idle, its KV only in the disk tier: restored when a turn reuses it
+
+    (new) ──start──▶ RUNNING ──finish──▶ RESIDENT ──evict──▶ SPILLED
+                        ▲    ╰─finish (KV only on disk)─────────▶ │
+                        ╰────────────── start ◀───────────────────┤ (RESIDENT too)
+    disk scan at start-up ──▶ SPILLED;  drop / a failed spill ──▶ (gone)
+
+(A *block* is referenced, a *session* is running or pinned: the words are not mixed.) A
+running session's request holds its own reference on every block it uses, so what the session
+holds beyond those can still be spilled (`make_room(..., include_running=True)`) when the only
+alternative is preempting a running request. Bytes move through `SessionIO` (the torch side is
+`kv_store`); this module decides what moves and when.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from shoal.engine.block_pool import BlockPool, cdiv
+from shoal.engine.sequence import Sequence
+
+
+class SessionState(enum.Enum):
+    RUNNING = "running"
+    RESIDENT = "resident"
+    SPILLED = "spilled"
+
+
+_LEGAL = {
+    (SessionState.RUNNING, SessionState.RESIDENT),
+    (SessionState.RUNNING, SessionState.SPILLED),
+    (SessionState.RESIDENT, SessionState.RUNNING),
+    (SessionState.RESIDENT, SessionState.SPILLED),
+    (SessionState.SPILLED, SessionState.RUNNING),
+    (SessionState.SPILLED, SessionState.RESIDENT),  # restored by an admission that then waits
+}
 
 
 @dataclass(slots=True, eq=False)
 class Session:
     session_id: str
+    state: SessionState
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV the session holds
     block_ids: list[int] = field(default_factory=list)  # in-pool KV; empty when not resident
     last_used: float = field(default_factory=time.time)  # wall clock: it is persisted
-    running: bool = False  # pinned: a request of this session is in the running batch
-    on_disk: bool = False  # a file of this session exists in the disk tier
-    saved: bool = False  # ... and it holds exactly `token_ids`
+    saved: bool = False  # the disk tier holds exactly `token_ids`
 
     @property
     def resident(self) -> bool:
         return bool(self.block_ids)
+
+    @property
+    def running(self) -> bool:
+        return self.state is SessionState.RUNNING
 
 
 @dataclass(slots=True)
@@ -39,6 +73,7 @@ class SessionInfo:
     """What `llm.sessions` shows about one session."""
 
     session_id: str
+    state: str
     num_tokens: int
     num_blocks: int  # blocks resident in the pool
     in_memory: bool
@@ -65,66 +100,232 @@ class SessionStats:
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
+@dataclass(slots=True, frozen=True)
+class StoredSession:
+    """A disk copy a previous run left behind."""
+
+    session_id: str
+    token_ids: list[int]
+    last_used: float
+
+
 class SessionIO(Protocol):
-    """Moves KV bytes for the (torch-free) KV manager: block copies and the disk tier."""
+    """Moves KV bytes for the session manager: block copies and the disk tier."""
+
+    @property
+    def persistent(self) -> bool:
+        """Whether the disk tier outlives the process (worth saving to on close)."""
+        ...
+
+    @property
+    def disk_bytes(self) -> int: ...
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy one pool block's KV into another (copy on write of a partial block)."""
         ...
 
-    def save(self, session: Session) -> bool:
-        """Write the session's resident KV to disk; False if it could not be written."""
+    def save(
+        self, session_id: str, token_ids: list[int], block_ids: list[int], last_used: float
+    ) -> bool:
+        """Write the KV of `block_ids` as the session's disk copy; False if it failed."""
         ...
 
-    def load(self, session: Session) -> Any | None:
-        """Read and validate the session's disk copy; None (after a warning) if unusable."""
+    def load(self, session_id: str, token_ids: list[int]) -> Any | None:
+        """Read and validate the disk copy of `token_ids`; None (discarded) if unusable."""
         ...
 
     def restore(self, data: Any, block_ids: list[int]) -> None:
         """Write KV returned by `load` into freshly allocated pool blocks."""
         ...
 
+    def delete(self, session_id: str) -> None: ...
 
-class SessionTable:
-    def __init__(self) -> None:
-        self.sessions: dict[str, Session] = {}
+    def has(self, session_id: str) -> bool: ...
+
+    def stored(self) -> list[StoredSession]: ...
+
+
+class SessionManager:
+    def __init__(self, pool: BlockPool, io: SessionIO, disk_cap_bytes: int) -> None:
+        self.pool = pool
+        self.io = io
+        self.disk_cap_bytes = disk_cap_bytes
         self.stats = SessionStats()
+        self._sessions: dict[str, Session] = {}
+        for s in io.stored():
+            self._sessions[s.session_id] = Session(
+                s.session_id, SessionState.SPILLED, list(s.token_ids), [], s.last_used, True
+            )
+        self._enforce_disk_cap()
 
+    # -- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self.sessions)
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(list(self._sessions.values()))
 
     def get(self, session_id: str) -> Session | None:
-        return self.sessions.get(session_id)
-
-    def get_or_create(self, session_id: str) -> Session:
-        session = self.sessions.get(session_id)
-        if session is None:
-            session = self.sessions[session_id] = Session(session_id)
-        return session
-
-    def drop(self, session_id: str) -> Session | None:
-        return self.sessions.pop(session_id, None)
-
-    def lru(self, protect: Session | None = None, pinned: bool = False) -> Session | None:
-        """The least recently used resident session: idle ones only, unless `pinned`."""
-        candidates = [
-            s
-            for s in self.sessions.values()
-            if s.resident and (pinned or not s.running) and s is not protect
-        ]
-        return min(candidates, key=lambda s: s.last_used) if candidates else None
+        return self._sessions.get(session_id)
 
     def info(self, session: Session) -> SessionInfo:
         return SessionInfo(
             session_id=session.session_id,
+            state=session.state.value,
             num_tokens=len(session.token_ids),
             num_blocks=len(session.block_ids),
             in_memory=session.resident,
-            on_disk=session.on_disk,
+            on_disk=self.io.has(session.session_id),
             saved=session.saved,
             running=session.running,
             last_used=session.last_used,
         )
+
+    def _move(self, session: Session, to: SessionState) -> None:
+        assert (session.state, to) in _LEGAL, f"session {session.state} -> {to}"
+        session.state = to
+
+    # -- a turn's life -------------------------------------------------------------------------
+    def start(self, session_id: str, reused: bool) -> None:
+        """A request of the session joined the running batch: pin the session."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            session = self._sessions[session_id] = Session(session_id, SessionState.RUNNING)
+        else:
+            self._move(session, SessionState.RUNNING)
+        session.last_used = time.time()
+        self.stats.hits += reused
+
+    def finish(self, seq: Sequence, keep: bool) -> None:
+        """The session's request left the batch. With `keep`, the session takes over the
+        request's computed KV (the blocks move from `seq.block_table`); otherwise (an abort) it
+        keeps what it had."""
+        assert seq.session_id is not None
+        session = self._sessions.get(seq.session_id)
+        if session is None:  # dropped while its request ran: this turn starts it afresh
+            if not (keep and seq.num_computed_tokens):
+                return
+            session = self._sessions[seq.session_id] = Session(seq.session_id, SessionState.RUNNING)
+        if keep and seq.num_computed_tokens > 0:
+            n = seq.num_computed_tokens
+            kept = cdiv(n, self.pool.block_size)
+            old = session.block_ids
+            session.block_ids, seq.block_table = seq.block_table[:kept], seq.block_table[kept:]
+            session.token_ids = seq.tokens_slice(0, n)
+            session.saved = False
+            session.last_used = time.time()
+            self.pool.free(reversed(old))
+        self._settle(session)
+
+    def _settle(self, session: Session) -> None:
+        """An idle session lands where its KV is: the pool, the disk, or nowhere."""
+        if session.resident:
+            self._move(session, SessionState.RESIDENT)
+        elif session.saved:
+            self._move(session, SessionState.SPILLED)
+        else:  # nothing left to reuse (a stale disk copy of an older turn goes too)
+            del self._sessions[session.session_id]
+            self.io.delete(session.session_id)
+
+    def restore(self, session: Session) -> bool:
+        """Bring a spilled session's disk copy back into the pool; False if no room or unusable."""
+        assert session.state is SessionState.SPILLED
+        num_blocks = cdiv(len(session.token_ids), self.pool.block_size)
+        if not self.make_room(num_blocks, protect=session):
+            return False
+        start = time.perf_counter()
+        data = self.io.load(session.session_id, session.token_ids)
+        if data is None:  # corrupt or mismatched: discarded (with a warning), so recompute
+            del self._sessions[session.session_id]
+            return False
+        self.stats.disk_reads += 1
+        session.block_ids = self.pool.allocate(num_blocks)
+        self.io.restore(data, session.block_ids)
+        self._move(session, SessionState.RESIDENT)
+        self.stats.restore_latencies.append(time.perf_counter() - start)
+        return True
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.io.copy_block(src, dst)
+
+    # -- memory pressure -----------------------------------------------------------------------
+    def make_room(
+        self, num_blocks: int, protect: Session | None = None, include_running: bool = False
+    ) -> bool:
+        """Spill sessions, idle ones least recently used first, until `num_blocks` are free.
+
+        With `include_running`, running sessions follow: what they hold beyond their request's
+        own references is better spilled than a running request preempted.
+        """
+        while self.pool.num_free < num_blocks:
+            victim = self._lru(protect, running=False) or (
+                self._lru(protect, running=True) if include_running else None
+            )
+            if victim is None:
+                return False
+            self.evict(victim)
+        return True
+
+    def _lru(self, protect: Session | None, running: bool) -> Session | None:
+        candidates = [
+            s
+            for s in self._sessions.values()
+            if s.resident and s.running == running and s is not protect
+        ]
+        return min(candidates, key=lambda s: s.last_used) if candidates else None
+
+    def evict(self, session: Session) -> None:
+        """Give a session's blocks back, spilling its KV to disk first unless already there."""
+        if not session.saved:
+            self._save(session)
+        self.pool.free(reversed(session.block_ids))
+        session.block_ids = []
+        if session.running:
+            if not session.saved:
+                session.token_ids = []  # lost: the running turn refills it when it ends
+        else:
+            self._settle(session)
+
+    def _save(self, session: Session) -> None:
+        sid = session.session_id
+        if self.io.save(sid, session.token_ids, session.block_ids, session.last_used):
+            session.saved = True
+            self.stats.disk_writes += 1
+            self._enforce_disk_cap(keep=session)
+
+    def _enforce_disk_cap(self, keep: Session | None = None) -> None:
+        """Delete disk copies, least recently used first (`keep` last), until under the cap."""
+        while self.io.disk_bytes > self.disk_cap_bytes:
+            on_disk = [s for s in self._sessions.values() if self.io.has(s.session_id)]
+            if not on_disk:
+                return
+            victim = min(on_disk, key=lambda s: (s is keep, s.last_used))
+            self.io.delete(victim.session_id)
+            victim.saved = False
+            if victim.state is SessionState.SPILLED:
+                del self._sessions[victim.session_id]
+
+    # -- control -------------------------------------------------------------------------------
+    def flush(self) -> int:
+        """Save every resident session whose disk copy is missing or stale; returns how many."""
+        if not self.io.persistent:
+            return 0
+        saved = 0
+        for session in list(self._sessions.values()):
+            if session.resident and not session.saved:
+                self._save(session)
+                saved += session.saved
+        return saved
+
+    def drop(self, session_id: str) -> bool:
+        """Forget a session's KV in memory and on disk; a request of it keeps its own blocks."""
+        session = self._sessions.pop(session_id, None)
+        self.io.delete(session_id)
+        if session is None:
+            return False
+        self.pool.free(reversed(session.block_ids))
+        session.block_ids = []
+        return True
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -42,7 +42,8 @@ _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0
 
 
 class _EngineCollector(Collector):
-    """Reads `engine.stats()` on each scrape; tokens/s is the rate since the previous scrape."""
+    """Reads `engine.stats()` on each scrape: every field becomes the gauge or counter its
+    metadata names; tokens/s is the rate since the previous scrape."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
@@ -50,53 +51,22 @@ class _EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self.engine.stats()
+        for f in dataclasses.fields(s):
+            name = f"shoal_{f.metadata['metric'] or f.name}"
+            value = float(getattr(s, f.name))
+            if f.metadata["kind"] == "counter":
+                yield CounterMetricFamily(name, f.metadata["doc"], value=value)
+            else:
+                yield GaugeMetricFamily(name, f.metadata["doc"], value=value)
         now = time.monotonic()
         t0, n0 = self._last
         rate = (s.num_generated_tokens - n0) / (now - t0) if now > t0 else 0.0
         self._last = (now, s.num_generated_tokens)
-
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            return GaugeMetricFamily(f"shoal_{name}", doc, value=value)
-
-        yield gauge("num_requests_running", "Requests in the running batch.", s.num_running)
-        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s.num_waiting)
-        yield gauge(
-            "kv_cache_usage_ratio", "Fraction of KV blocks in use.", s.kv_utilization / 100.0
-        )
-        yield gauge("kv_cache_blocks_used", "KV blocks in use.", s.blocks_used)
-        yield gauge("kv_cache_blocks_free", "KV blocks free.", s.blocks_free)
-        yield gauge(
-            "generation_tokens_per_second",
+        yield GaugeMetricFamily(
+            "shoal_generation_tokens_per_second",
             "Generated tokens per second since the previous scrape.",
-            max(0.0, rate),
+            value=max(0.0, rate),
         )
-        yield gauge(
-            "prefix_cache_hit_rate",
-            "Prompt tokens served from the prefix cache.",
-            s.prefix_cache_hit_rate,
-        )
-        yield CounterMetricFamily(
-            "shoal_generation_tokens", "Tokens generated.", value=s.num_generated_tokens
-        )
-        yield CounterMetricFamily(
-            "shoal_num_preemptions", "Requests preempted.", value=s.num_preemptions
-        )
-        known = {
-            "step_id",
-            "num_running",
-            "num_waiting",
-            "blocks_used",
-            "blocks_free",
-            "kv_bytes_used",
-            "kv_utilization",
-            "prefix_cache_hit_rate",
-            "num_preemptions",
-            "num_generated_tokens",
-        }
-        for f in dataclasses.fields(s):  # newer engine statistics (sessions, disk cache...)
-            value = getattr(s, f.name)
-            if f.name not in known and isinstance(value, int | float):
-                yield gauge(f.name, f"Engine statistic {f.name}.", float(value))
 
 
 class ServerMetrics:

@@ -301,7 +301,7 @@ def test_eos_finishes_with_stop_and_is_included(tiny_model_dir, tiny_hf_model):
     # Make some generated token the engine's EOS: the request must stop right after it.
     eos = reference[5]
     cut = reference.index(eos) + 1
-    llm.engine.eos_token_ids = {eos}
+    llm.engine.outputs.eos_token_ids = {eos}
     (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=12))
     assert out.finish_reason == "stop"
     assert out.token_ids == reference[:cut]
@@ -339,4 +339,4 @@ def test_reset_aborts_everything_and_frees_the_pool(tiny_model_dir):
     assert not engine.has_unfinished_requests()
     assert_pool_whole(engine)
     stats = engine.stats()
-    assert stats.blocks_used == 0 and stats.kv_bytes_used == 0 and stats.kv_utilization == 0
+    assert stats.blocks_used == 0 and stats.kv_bytes_used == 0 and stats.kv_usage_ratio == 0

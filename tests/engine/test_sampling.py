@@ -305,7 +305,7 @@ def test_ignore_eos(llm):
     prompt = rand_prompt(random.Random(7), 9)
     ref = greedy_reference(llm, prompt, 12).token_ids
     eos_ids = llm.engine.eos_token_ids
-    llm.engine.eos_token_ids = {ref[4]}  # pretend the 5th generated token is the EOS
+    llm.engine.outputs.eos_token_ids = {ref[4]}  # pretend the 5th generated token is the EOS
     try:
         stopped, ignored = llm.generate(
             [prompt, prompt],
@@ -315,7 +315,7 @@ def test_ignore_eos(llm):
             ],
         )
     finally:
-        llm.engine.eos_token_ids = eos_ids
+        llm.engine.outputs.eos_token_ids = eos_ids
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == ref[: ref.index(ref[4]) + 1]
     assert ignored.finish_reason == "length" and ignored.token_ids == ref

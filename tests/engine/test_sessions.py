@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from shoal import LLM, Engine, SamplingParams
-from shoal.engine.kv_store import session_key
+from shoal.engine.session_files import session_key
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -85,13 +85,13 @@ def assert_pool_whole(engine: Engine) -> None:
     """With nothing running, every block is free or held exactly once per session holding it."""
     assert not engine.has_unfinished_requests()
     held: dict[int, int] = {}
-    for session in engine.sessions.sessions.values():
+    for session in engine.sessions:
         assert not session.running
         for b in session.block_ids:
             held[b] = held.get(b, 0) + 1
     for block in engine.pool.blocks:
         assert block.ref_cnt == held.get(block.block_id, 0)
-        assert engine.pool.is_free(block.block_id) == (block.ref_cnt == 0)
+    assert engine.pool.num_free == sum(b.ref_cnt == 0 for b in engine.pool.blocks)
     for info in engine.list_sessions():
         engine.drop_session(info.session_id)
     assert engine.pool.num_free == engine.pool.num_blocks

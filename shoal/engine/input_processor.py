@@ -1,0 +1,108 @@
+"""From a caller's prompt and parameters to a `Sequence`, or a typed error.
+
+Runs in the caller's thread, before anything is queued, so bad input fails where the caller
+can see it and the step loop only ever meets valid requests.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from shoal.engine.block_pool import cdiv
+from shoal.engine.sequence import Sequence
+from shoal.errors import InvalidRequestError, PromptTooLongError
+from shoal.sampling_params import SamplingParams
+
+MAX_SESSION_ID_LEN = 256
+
+
+def check_session_id(session_id: object) -> str:
+    """The one rule for session ids, wherever they come from (argument, body, header)."""
+    if not isinstance(session_id, str) or not session_id:
+        raise InvalidRequestError("session_id must be a non-empty string")
+    if len(session_id) > MAX_SESSION_ID_LEN:
+        raise InvalidRequestError(f"session_id holds at most {MAX_SESSION_ID_LEN} characters")
+    return session_id
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        max_model_len: int,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.device = device
+        self._ids = itertools.count()
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        ids = list(prompt)
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The prompt ids for a conversation, ending where the assistant's reply begins.
+
+        Raises `InvalidRequestError` when the model has no tokenizer or no chat template; an
+        error the template itself raises (a conversation it rejects) propagates unchanged.
+        """
+        tok = self.tokenizer
+        if tok is None or not getattr(tok, "chat_template", None):
+            raise InvalidRequestError("this model has no chat template")
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.encode(text)
+
+    def process(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None,
+        request_id: str | None,
+        priority: int,
+        session_id: str | None,
+    ) -> Sequence:
+        if session_id is not None:
+            check_session_id(session_id)
+        params = params or SamplingParams()
+        params.validate()
+        token_ids = self.encode(prompt)
+        if not token_ids:
+            raise InvalidRequestError("the prompt is empty")
+        if len(token_ids) >= self.max_model_len:
+            raise PromptTooLongError(
+                f"the prompt has {len(token_ids)} tokens; this model takes at most "
+                f"{self.max_model_len - 1} so that one can be generated"
+            )
+        longest = min(len(token_ids) + params.max_tokens, self.max_model_len)
+        if cdiv(longest, self.block_size) > self.num_blocks:
+            raise PromptTooLongError(
+                f"{longest} tokens need {cdiv(longest, self.block_size)} KV blocks but the pool "
+                f"has {self.num_blocks}: lower max_tokens or grow kv_cache_bytes"
+            )
+        seq = Sequence(
+            request_id=request_id or f"req-{next(self._ids)}",
+            prompt_token_ids=token_ids,
+            params=params,
+            priority=priority,
+            session_id=session_id,
+            prompt=prompt if isinstance(prompt, str) else None,
+        )
+        if params.seed is not None:
+            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+        return seq
