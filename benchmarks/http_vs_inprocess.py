@@ -140,9 +140,11 @@ def free_port() -> int:
 def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen[bytes]:
     code = (
         "import sys; from pathlib import Path; from shoal.server.app import run_server; "
-        "from shoal.server.state import ServerConfig; a = sys.argv[1:]; "
-        "run_server(ServerConfig(model=a[0] or None, dtype=a[1], max_num_seqs=int(a[2]), "
-        "max_waiting=100000, data_dir=Path(a[3])), '127.0.0.1', int(a[4]), log_level='warning')"
+        "from shoal.config import EngineConfig; from shoal.server.state import ServerConfig; "
+        "a = sys.argv[1:]; engine = EngineConfig(model=a[0] or None, dtype=a[1], "
+        "max_num_seqs=int(a[2]), max_waiting=100000); "
+        "run_server(ServerConfig(engine=engine, data_dir=Path(a[3])), '127.0.0.1', int(a[4]), "
+        "log_level='warning')"
     )
     cmd = [
         sys.executable,

@@ -3,19 +3,48 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
+from shoal.config import EngineConfig, GiB
 from shoal.sampling_params import SamplingParams
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig()
     p.add_argument("--model", default=None, help="HF folder or .gguf file (default: bundled)")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-cache-gib", type=float, default=2.0, help="KV block pool size")
+    p.add_argument(
+        "--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16", "float64")
+    )
+    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests")
+    p.add_argument(
+        "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, help="per step"
+    )
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the model's")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=d.kv_cache_bytes / GiB, help="KV block pool size"
+    )
+    p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument("--cache-dir", default=None, help="where session KV persists across restarts")
+
+
+def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
+    """The `EngineConfig` the engine flags describe: every flag reaches the engine."""
+    return EngineConfig(
+        model=args.model,
+        dtype=args.dtype,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        kv_cache_bytes=int(args.kv_cache_gib * GiB),
+        enable_prefix_caching=not args.no_prefix_caching,
+        cache_dir=args.cache_dir,
+        **extra,  # type: ignore[arg-type]
+    )
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -27,13 +56,7 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print("give a prompt or --file", file=sys.stderr)
         return 2
-    llm = LLM(
-        args.model,
-        dtype=args.dtype,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_bytes=int(args.kv_cache_gib * (1 << 30)),
-    )
+    llm = LLM(**dataclasses.asdict(engine_config(args)))
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed
     )
@@ -60,9 +83,19 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from shoal.server.app import serve
+    import logging
 
-    serve(args)
+    from shoal.server.app import run_server
+    from shoal.server.state import ServerConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = ServerConfig(
+        engine=engine_config(args, max_waiting=args.max_waiting),
+        data_dir=Path(args.data_dir),
+        api_key=args.api_key,
+        batch_concurrency=args.batch_concurrency,
+    )
+    run_server(config, args.host, args.port)
     return 0
 
 
@@ -90,8 +123,12 @@ def main(argv: list[str] | None = None) -> int:
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--data-dir", default="./shoal-data")
-    serve.add_argument("--api-key", default=None)
+    serve.add_argument("--data-dir", default="./shoal-data", help="files, batches, sessions")
+    serve.add_argument("--api-key", default=None, help="require this Bearer token")
+    serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
+    serve.add_argument(
+        "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
+    )
     _engine_args(serve)
     serve.set_defaults(func=_serve)
 

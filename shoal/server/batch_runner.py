@@ -1,35 +1,97 @@
 """Runs batches in the background: validate, execute each line at batch priority, finalize.
 
-One task per active batch; a shared semaphore bounds how many batch requests are in the
-engine at once. Each finished request is written to the store before anything else happens,
-so a restart resumes with only the missing `custom_id`s (nothing lost, nothing twice).
-Cancelling or expiring aborts what is in flight; shutdown stops launching, lets in-flight
-requests finish for a grace period, then aborts the rest (they rerun on resume).
+The batch lifecycle lives here: `BatchStatus` and its transitions, and `execute_line`, which
+answers one line through the same `prepare_*` and `respond` as the HTTP routes (so a batch
+line and an interactive request with the same body are validated and answered the same way;
+only the priority differs). One task per active batch; a shared semaphore bounds how many
+batch requests are in the engine at once. Each finished request is written to the store
+before anything else happens, so a restart resumes with only the missing `custom_id`s
+(nothing lost, nothing twice). Cancelling or expiring aborts what is in flight; shutdown
+stops launching, lets in-flight requests finish for a grace period, then aborts the rest
+(they rerun on resume).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+from pydantic import ValidationError
+
+from shoal.server.errors import error_body, to_api_error
+from shoal.server.formatting import batch_usage
+from shoal.server.ids import new_id
 from shoal.server.jsonl import BatchLine, parse_batch_file
-from shoal.server.store import Store, new_id
+from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
+from shoal.server.store import Store
 
 log = logging.getLogger("shoal.server.batch")
 
-# (endpoint, body) -> (status_code, response body, prompt_tokens, completion_tokens)
-Execute = Callable[[str, dict[str, Any]], Awaitable[tuple[int, dict[str, Any], int, int]]]
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+ACTIVE = (
+    BatchStatus.VALIDATING,
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.CANCELLING,
+)
+TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED, BatchStatus.EXPIRED)
+
+
+@dataclass(slots=True)
+class LineResult:
+    status: int
+    body: dict[str, Any]
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+async def execute_line(
+    serving: Serving, endpoint: str, body: dict[str, Any], priority: int
+) -> LineResult:
+    """One batch request, answered as the HTTP route would answer it."""
+    try:
+        if endpoint == "/v1/chat/completions":
+            req: Any = ChatCompletionRequest.model_validate(body)
+            prep = prepare_chat(serving, req, priority=priority)
+        else:
+            req = CompletionRequest.model_validate(body)
+            prep = prepare_completion(serving, req, priority=priority)
+        result = await respond(serving, prep)
+    except ValidationError as e:
+        errs = e.errors()
+        param = ".".join(str(p) for p in errs[0]["loc"]) if errs else None
+        msg = errs[0]["msg"] if errs else str(e)
+        return LineResult(400, error_body(400, f"invalid request: {msg}", param=param or None))
+    except Exception as e:
+        err = to_api_error(e)
+        return LineResult(err.status, err.body())
+    usage = result["usage"]
+    return LineResult(200, result, usage["prompt_tokens"], usage["completion_tokens"])
+
 
 _NOT_RUN = {
-    "expired": (
+    BatchStatus.EXPIRED: (
         "batch_expired",
         "This request could not be executed before the completion window expired.",
     ),
-    "cancelled": (
+    BatchStatus.CANCELLED: (
         "batch_cancelled",
         "This request was not executed because the batch was cancelled.",
     ),
@@ -40,15 +102,17 @@ class BatchRunner:
     def __init__(
         self,
         store: Store,
-        execute: Execute,
+        serving: Serving,
         *,
         concurrency: int,
         max_lines: int,
+        priority: int,
         poll_s: float = 0.2,
     ) -> None:
         self.store = store
-        self.execute = execute
+        self.serving = serving
         self.max_lines = max_lines
+        self.priority = priority
         self.poll_s = poll_s
         self._sem = asyncio.Semaphore(concurrency)
         self._tasks: dict[str, asyncio.Task[None]] = {}
@@ -57,7 +121,7 @@ class BatchRunner:
 
     # -- control ---------------------------------------------------------------------------
     def start(self) -> None:
-        for batch_id in self.store.active_batch_ids():
+        for batch_id in self.store.batch_ids(ACTIVE):
             self.submit(batch_id)
 
     def submit(self, batch_id: str) -> None:
@@ -113,55 +177,52 @@ class BatchRunner:
         if obj is None:
             return
         lines, errors = self._lines(obj)
-        if obj["status"] == "validating":
+        status = BatchStatus(obj["status"])
+        if status is BatchStatus.VALIDATING:
             if errors:
                 self.store.update_batch(
                     batch_id,
-                    status="failed",
+                    status=BatchStatus.FAILED,
                     failed_at=int(time.time()),
                     errors={"object": "list", "data": errors[:100]},
                 )
                 return
             model = next((ln.body.get("model") for ln in lines), None)
-            obj = self.store.update_batch(
+            status = BatchStatus.IN_PROGRESS
+            self.store.update_batch(
                 batch_id,
-                status="in_progress",
+                status=status,
                 in_progress_at=int(time.time()),
                 model=model if isinstance(model, str) else None,
                 request_counts={"total": len(lines), "completed": 0, "failed": 0},
             )
-        if obj["status"] == "in_progress":
-            final = await self._execute_all(batch_id, obj, lines)
+        if status is BatchStatus.IN_PROGRESS:
+            final = await self._execute_all(batch_id, obj.get("expires_at"), lines)
             if final is None:
                 return  # stopping: resume later
-            if final == "completed":
+            if final is BatchStatus.COMPLETED:
                 self.store.update_batch(
-                    batch_id, status="finalizing", finalizing_at=int(time.time())
+                    batch_id, status=BatchStatus.FINALIZING, finalizing_at=int(time.time())
                 )
-                self._finalize(batch_id, lines, "completed")
-            elif final == "cancelled":
-                self._finalize(batch_id, lines, "cancelled")
-            else:
-                self._finalize(batch_id, lines, "expired")
-        elif obj["status"] == "finalizing":
-            self._finalize(batch_id, lines, "completed")
-        elif obj["status"] == "cancelling":
-            self._finalize(batch_id, lines, "cancelled")
+            self._finalize(batch_id, lines, final)
+        elif status is BatchStatus.FINALIZING:
+            self._finalize(batch_id, lines, BatchStatus.COMPLETED)
+        elif status is BatchStatus.CANCELLING:
+            self._finalize(batch_id, lines, BatchStatus.CANCELLED)
 
-    def _interrupted(self, batch_id: str, expires_at: int | None) -> str | None:
+    def _interrupted(self, batch_id: str, expires_at: int | None) -> BatchStatus | None:
         if self._cancel[batch_id].is_set():
-            return "cancelled"
+            return BatchStatus.CANCELLED
         if expires_at is not None and time.time() >= expires_at:
-            return "expired"
+            return BatchStatus.EXPIRED
         return None
 
     async def _execute_all(
-        self, batch_id: str, obj: dict[str, Any], lines: list[BatchLine]
-    ) -> str | None:
+        self, batch_id: str, expires_at: int | None, lines: list[BatchLine]
+    ) -> BatchStatus | None:
         """Run every line not yet done; the final status, or None when stopping."""
         done = self.store.done_custom_ids(batch_id)
         pending = [ln for ln in lines if ln.custom_id not in done]
-        expires_at = obj.get("expires_at")
         inflight: set[asyncio.Task[None]] = set()
         try:
             for ln in pending:
@@ -195,27 +256,36 @@ class BatchRunner:
             return reason
         if self._stopping and len(self.store.done_custom_ids(batch_id)) < len(lines):
             return None
-        return "completed"
+        return BatchStatus.COMPLETED
 
     async def _one(self, batch_id: str, ln: BatchLine) -> None:
         while True:
-            status, body, pt, ct = await self.execute(ln.url, ln.body)
-            if status == 429:  # the engine queue is full: wait, do not fail the request
+            r = await execute_line(self.serving, ln.url, ln.body, self.priority)
+            if r.status == 429:  # the engine queue is full: wait, do not fail the request
                 await asyncio.sleep(0.5)
                 continue
-            if status == 503:  # shutting down: leave it for the resume
+            if r.status == 503:  # shutting down: leave it for the resume
                 return
             break
-        rid = body.get("id") if status == 200 else None
+        rid = r.body.get("id") if r.status == 200 else None
         line = {
             "id": new_id("batch_req_"),
             "custom_id": ln.custom_id,
-            "response": {"status_code": status, "request_id": rid or new_id("req_"), "body": body},
+            "response": {
+                "status_code": r.status,
+                "request_id": rid or new_id("req_"),
+                "body": r.body,
+            },
             "error": None,
         }
-        self.store.add_result(batch_id, ln.custom_id, ln.line, status == 200, line, pt, ct)
+        ok = r.status == 200
+        if self.store.add_result(
+            batch_id, ln.custom_id, ln.line, ok, line, r.prompt_tokens, r.completion_tokens
+        ):
+            outcome = "completed" if ok else "failed"
+            self.serving.metrics.batch_requests.labels(outcome=outcome).inc()
 
-    def _finalize(self, batch_id: str, lines: list[BatchLine], status: str) -> None:
+    def _finalize(self, batch_id: str, lines: list[BatchLine], status: BatchStatus) -> None:
         out: list[str] = []
         err: list[str] = []
         for ok, body in self.store.results(batch_id):
@@ -252,16 +322,6 @@ class BatchRunner:
         completed, failed, pt, ct = self.store.result_counts(batch_id)
         now = int(time.time())
         fields["request_counts"] = {"total": len(lines), "completed": completed, "failed": failed}
-        fields["usage"] = usage_obj(pt, ct)
+        fields["usage"] = batch_usage(pt, ct)
         fields[f"{status}_at"] = now
         self.store.update_batch(batch_id, status=status, **fields)
-
-
-def usage_obj(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
-    return {
-        "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
-        "output_tokens": completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
-        "total_tokens": prompt_tokens + completion_tokens,
-    }

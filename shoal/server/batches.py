@@ -1,8 +1,6 @@
 """`/v1/batches`: create, get, list (paginated with `after` and `limit`), cancel.
 
-`execute_line`, which the runner calls for each batch line, lives here too and goes through
-the same `prepare_*` and `respond` as the HTTP routes, so a batch line and an interactive
-request with the same body are validated and answered the same way; only the priority differs.
+Routes only read and write batch objects; running them is the `BatchRunner`'s job.
 """
 
 from __future__ import annotations
@@ -11,22 +9,19 @@ import time
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query
-from pydantic import ValidationError
 
-from shoal.server.batch_runner import usage_obj
-from shoal.server.errors import APIError, error_body, not_found
-from shoal.server.formatting import list_page
+from shoal.server.batch_runner import ACTIVE, TERMINAL, BatchStatus
+from shoal.server.errors import APIError, not_found
+from shoal.server.formatting import batch_usage, list_page
+from shoal.server.ids import new_id
 from shoal.server.jsonl import ENDPOINTS
-from shoal.server.protocol import BatchCreateRequest, ChatCompletionRequest, CompletionRequest
-from shoal.server.serving import prepare_chat, prepare_completion, respond
+from shoal.server.protocol import BatchCreateRequest
 from shoal.server.state import ServerState, get_state
-from shoal.server.store import ACTIVE, new_id
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 
 WINDOWS = {"24h": 24 * 3600}
-TERMINAL = ("completed", "failed", "cancelled", "expired")
 
 
 def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
@@ -34,7 +29,7 @@ def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
     if obj["status"] in ACTIVE and obj.get("request_counts"):
         completed, failed, pt, ct = state.store.result_counts(obj["id"])
         obj["request_counts"] = {**obj["request_counts"], "completed": completed, "failed": failed}
-        obj["usage"] = usage_obj(pt, ct)
+        obj["usage"] = batch_usage(pt, ct)
     return obj
 
 
@@ -70,7 +65,7 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
         "errors": None,
         "input_file_id": req.input_file_id,
         "completion_window": req.completion_window,
-        "status": "validating",
+        "status": BatchStatus.VALIDATING,
         "output_file_id": None,
         "error_file_id": None,
         "created_at": now,
@@ -111,39 +106,13 @@ async def list_batches(
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
     obj = _batch(state, batch_id)
-    if obj["status"] in ("cancelling", "cancelled"):
+    status = BatchStatus(obj["status"])
+    if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return obj
-    if obj["status"] in TERMINAL or obj["status"] == "finalizing":
-        raise APIError(
-            400, f"cannot cancel a batch whose status is {obj['status']}", param="batch_id"
-        )
-    state.store.update_batch(batch_id, status="cancelling", cancelling_at=int(time.time()))
+    if status in TERMINAL or status is BatchStatus.FINALIZING:
+        raise APIError(400, f"cannot cancel a batch whose status is {status}", param="batch_id")
+    state.store.update_batch(
+        batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time())
+    )
     state.runner.cancel(batch_id)
     return _batch(state, batch_id)
-
-
-async def execute_line(
-    state: ServerState, endpoint: str, body: dict[str, Any]
-) -> tuple[int, dict[str, Any], int, int]:
-    """One batch request at batch priority: (status, body, prompt_tokens, completion_tokens)."""
-    priority = state.config.batch_priority
-    try:
-        if endpoint == "/v1/chat/completions":
-            prep = prepare_chat(
-                state, ChatCompletionRequest.model_validate(body), priority=priority
-            )
-        else:
-            prep = prepare_completion(
-                state, CompletionRequest.model_validate(body), priority=priority
-            )
-        result = await respond(state, prep)
-    except ValidationError as e:
-        errs = e.errors()
-        param = ".".join(str(p) for p in errs[0]["loc"]) if errs else None
-        msg = errs[0]["msg"] if errs else str(e)
-        return 400, error_body(400, f"invalid request: {msg}", param=param or None), 0, 0
-    except APIError as e:
-        return e.status, e.body(), 0, 0
-    usage = result["usage"]
-    state.metrics.batch_requests.labels(outcome="ok").inc()
-    return 200, result, usage["prompt_tokens"], usage["completion_tokens"]

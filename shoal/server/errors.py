@@ -71,8 +71,11 @@ def error_response(err: APIError) -> JSONResponse:
     return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
 
 
-def from_engine_error(e: ShoalError) -> APIError:
-    """Map the engine's typed errors to HTTP statuses."""
+def to_api_error(e: BaseException) -> APIError:
+    """The one place an exception becomes an HTTP error: the engine's typed errors get their
+    status, anything unexpected is a 500 that names only its type."""
+    if isinstance(e, APIError):
+        return e
     if isinstance(e, PromptTooLongError):
         return APIError(413, str(e), param="prompt", code="context_length_exceeded")
     if isinstance(e, InvalidRequestError):
@@ -81,7 +84,9 @@ def from_engine_error(e: ShoalError) -> APIError:
         return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineClosedError):
         return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
-    return APIError(500, f"engine error: {e}")
+    if isinstance(e, ShoalError):
+        return APIError(500, f"engine error: {e}")
+    return APIError(500, f"internal error: {type(e).__name__}")
 
 
 def not_found(what: str, ident: str, param: str | None = None) -> APIError:
@@ -101,12 +106,7 @@ def _loc(err: dict[str, Any]) -> str:
 
 def install_handlers(app: FastAPI) -> None:
     async def api_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, APIError)
-        return error_response(exc)
-
-    async def shoal_error(_: Request, exc: Exception) -> JSONResponse:
-        assert isinstance(exc, ShoalError)
-        return error_response(from_engine_error(exc))
+        return error_response(to_api_error(exc))
 
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
@@ -126,10 +126,10 @@ def install_handlers(app: FastAPI) -> None:
 
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(APIError(500, "internal server error"))
+        return error_response(to_api_error(exc))
 
     app.add_exception_handler(APIError, api_error)
-    app.add_exception_handler(ShoalError, shoal_error)
+    app.add_exception_handler(ShoalError, api_error)
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
     app.add_exception_handler(Exception, unexpected)

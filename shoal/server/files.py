@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
 from fastapi.responses import Response
 
+from shoal.server.batch_runner import ACTIVE
 from shoal.server.errors import APIError, not_found
 from shoal.server.formatting import list_page
 from shoal.server.jsonl import parse_batch_file
@@ -87,7 +88,7 @@ async def file_content(state: State, file_id: str) -> Response:
 @router.delete("/v1/files/{file_id}")
 async def delete_file(state: State, file_id: str) -> dict[str, Any]:
     _file(state, file_id)
-    users = state.store.batches_using_file(file_id)
+    users = state.store.batches_using_file(file_id, ACTIVE)
     if users:
         raise APIError(
             400,

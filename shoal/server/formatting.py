@@ -1,7 +1,7 @@
-"""Turning engine outputs into OpenAI response bodies and stream chunks.
+"""Turning engine outputs into OpenAI response bodies, stream chunks and list pages.
 
-Pure functions of `RequestOutput`s, independent of the web framework and the engine, so
-whole responses, stream chunks and Batch API results are built the same way in one place.
+Pure functions, independent of the web framework and the engine, so whole responses, stream
+chunks and Batch API objects are built the same way in one place.
 """
 
 from __future__ import annotations
@@ -18,21 +18,19 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def usage(outs: Sequence[RequestOutput | None]) -> dict[str, Any]:
-    """Token counts over all choices; a prompt shared by n choices counts once.
+def usage(outs: Sequence[RequestOutput | None], n: int) -> dict[str, Any]:
+    """Token counts over all choices; a prompt shared by its `n` choices counts once.
 
-    Request ids are `<response id>-<prompt index>-<choice>`, so choices of one prompt share
-    everything before the last dash.
+    `outs` are prompt-major: output `i` answers prompt `i // n`.
     """
-    done = [o for o in outs if o is not None]
-    prompts: dict[str, int] = {}
-    cached: dict[str, int] = {}
-    for o in done:
-        key = o.request_id.rsplit("-", 1)[0]
-        prompts[key] = len(o.prompt_token_ids)
-        cached[key] = o.num_cached_tokens
+    prompts: dict[int, int] = {}
+    cached: dict[int, int] = {}
+    for i, o in enumerate(outs):
+        if o is not None:
+            prompts[i // n] = len(o.prompt_token_ids)
+            cached[i // n] = o.num_cached_tokens
     prompt_tokens = sum(prompts.values())
-    completion_tokens = sum(len(o.token_ids) for o in done)
+    completion_tokens = sum(len(o.token_ids) for o in outs if o is not None)
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -107,7 +105,7 @@ def _envelope(
 
 
 def completion_body(
-    rid: str, created: int, model: str, outs: Sequence[RequestOutput], tokenizer: Any
+    rid: str, created: int, model: str, outs: Sequence[RequestOutput], n: int, tokenizer: Any
 ) -> dict[str, Any]:
     choices = [
         {
@@ -118,11 +116,11 @@ def completion_body(
         }
         for i, o in enumerate(outs)
     ]
-    return _envelope(rid, "text_completion", created, model, choices, usage=usage(outs))
+    return _envelope(rid, "text_completion", created, model, choices, usage=usage(outs, n))
 
 
 def chat_body(
-    rid: str, created: int, model: str, outs: Sequence[RequestOutput], tokenizer: Any
+    rid: str, created: int, model: str, outs: Sequence[RequestOutput], n: int, tokenizer: Any
 ) -> dict[str, Any]:
     choices = [
         {
@@ -133,7 +131,7 @@ def chat_body(
         }
         for i, o in enumerate(outs)
     ]
-    return _envelope(rid, "chat.completion", created, model, choices, usage=usage(outs))
+    return _envelope(rid, "chat.completion", created, model, choices, usage=usage(outs, n))
 
 
 def _chunk(
@@ -165,4 +163,15 @@ def list_page(data: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
         "first_id": data[0]["id"] if data else None,
         "last_id": data[-1]["id"] if data else None,
         "has_more": has_more,
+    }
+
+
+def batch_usage(prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    """A Batch API object's `usage`."""
+    return {
+        "input_tokens": prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": completion_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt_tokens + completion_tokens,
     }

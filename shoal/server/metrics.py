@@ -12,7 +12,7 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -95,9 +95,26 @@ class ServerMetrics:
         )
         self.batch_requests = Counter(
             "shoal_batch_requests",
-            "Batch API requests by outcome.",
+            "Batch API requests by outcome (completed or failed), counted once each.",
             ["outcome"],
             registry=self.registry,
+        )
+        info = Info("shoal_engine", "How the engine was configured.", registry=self.registry)
+        c = engine.config
+        info.info(
+            {
+                "model": engine.model_name,
+                "dtype": c.dtype,
+                "device": c.device,
+                "block_size": str(c.block_size),
+                "num_blocks": str(engine.pool.num_blocks),
+                "max_num_seqs": str(c.max_num_seqs),
+                "max_num_batched_tokens": str(c.max_num_batched_tokens),
+                "max_model_len": str(engine.max_model_len),
+                "max_waiting": str(c.max_waiting),
+                "prefix_caching": str(c.enable_prefix_caching).lower(),
+                "session_cache_dir": c.cache_dir or "",
+            }
         )
 
     def finished(self, out: RequestOutput | None) -> None:

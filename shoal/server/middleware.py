@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hmac
 import json
-from collections.abc import Callable
 
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -44,13 +43,16 @@ class Guard:
         api_key: str | None,
         max_body: int,
         max_upload: int,
-        shutting_down: Callable[[], bool],
     ) -> None:
         self.app = app
         self.key = api_key.encode() if api_key else None
         self.max_body = max_body
         self.max_upload = max_upload
-        self.shutting_down = shutting_down
+
+    @staticmethod
+    def _shutting_down(scope: Scope) -> bool:
+        state = getattr(scope["app"].state, "shoal", None)
+        return state is not None and bool(state.shutting_down)
 
     def _authorized(self, scope: Scope) -> bool:
         if self.key is None or scope["path"] in OPEN_PATHS:
@@ -69,7 +71,7 @@ class Guard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self.shutting_down() and scope["path"] != "/metrics":
+        if self._shutting_down(scope) and scope["path"] != "/metrics":
             await _send_error(send, 503, "the server is shutting down", {"Retry-After": "5"})
             return
         if not self._authorized(scope):

@@ -21,6 +21,7 @@ from shoal.server.errors import model_not_found
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.serving import (
     Prepared,
+    Serving,
     prepare_chat,
     prepare_completion,
     respond,
@@ -70,15 +71,15 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None if task.cancelled() else task.result()
 
 
-async def _serve(request: Request, state: ServerState, prep: Prepared, stream: bool) -> Response:
+async def _serve(request: Request, srv: Serving, prep: Prepared, stream: bool) -> Response:
     if stream:
-        gen, first = await start_stream(state, prep)
+        gen, first = await start_stream(srv, prep)
         return _SSEResponse(
-            stream_sse(state, prep, gen, first),
+            stream_sse(srv, prep, gen, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await _unless_disconnected(request, respond(state, prep))
+    body = await _unless_disconnected(request, respond(srv, prep))
     if body is None:
         return Response(status_code=499)
     return JSONResponse(body)
@@ -110,8 +111,8 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 async def completions(
     request: Request, state: State, req: CompletionRequest, x_session_id: SessionHeader = None
 ) -> Response:
-    prep = prepare_completion(state, req, session_id=x_session_id)
-    return await _serve(request, state, prep, bool(req.stream))
+    prep = prepare_completion(state.serving, req, session_id=x_session_id)
+    return await _serve(request, state.serving, prep, bool(req.stream))
 
 
 @router.post("/v1/chat/completions")
@@ -121,8 +122,8 @@ async def chat_completions(
     req: ChatCompletionRequest,
     x_session_id: SessionHeader = None,
 ) -> Response:
-    prep = prepare_chat(state, req, session_id=x_session_id)
-    return await _serve(request, state, prep, bool(req.stream))
+    prep = prepare_chat(state.serving, req, session_id=x_session_id)
+    return await _serve(request, state.serving, prep, bool(req.stream))
 
 
 @router.get("/health")
@@ -134,4 +135,4 @@ async def health(state: State) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+    return Response(state.serving.metrics.render(), media_type=CONTENT_TYPE_LATEST)

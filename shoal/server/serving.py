@@ -1,7 +1,8 @@
 """From a parsed request to engine calls and back: shared by the HTTP routes and batches.
 
 Handlers stay thin: they parse, call `prepare_*`, then `respond` or `stream_sse`. No engine
-logic lives here, only the translation between OpenAI fields and `SamplingParams`.
+logic lives here, only the translation between OpenAI fields and `SamplingParams`. `Serving`
+is everything answering a request needs, so the batch runner uses exactly what routes use.
 """
 
 from __future__ import annotations
@@ -9,21 +10,36 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from shoal.errors import InvalidRequestError, ShoalError
+from shoal.engine.async_engine import AsyncEngine
+from shoal.engine.llm_engine import Engine
+from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 from shoal.server import formatting as fmt
-from shoal.server.errors import APIError, from_engine_error, model_not_found
+from shoal.server.errors import APIError, model_not_found, to_api_error
+from shoal.server.ids import new_id
+from shoal.server.metrics import ServerMetrics
 from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from shoal.server.state import ServerState
 
 Prompt = str | list[int]
+
+
+@dataclass(slots=True)
+class Serving:
+    """The engine (for its facts: model, tokenizer, limits), its async front and metrics."""
+
+    engine: Engine
+    aeng: AsyncEngine
+    metrics: ServerMetrics
+
+    @property
+    def model_name(self) -> str:
+        return str(self.engine.model_name)
 
 
 @dataclass(slots=True)
@@ -40,12 +56,8 @@ class Prepared:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:24]}"
-
-
-def _check_common(state: ServerState, req: CompletionRequest | ChatCompletionRequest) -> None:
-    if req.model != state.model_name:
+def _check_common(srv: Serving, req: CompletionRequest | ChatCompletionRequest) -> None:
+    if req.model != srv.model_name:
         raise model_not_found(req.model)
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
@@ -58,24 +70,21 @@ def _params(
     seed = req.seed
     if seed is not None and j:
         seed = (seed + j) % (2**63)
-    try:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
-            min_p=req.min_p or 0.0,
-            seed=seed,
-            stop=req.stop,
-            ignore_eos=bool(req.ignore_eos),
-            logprobs=logprobs,
-        )
-    except ShoalError as e:
-        raise from_engine_error(e) from e
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0,
+        seed=seed,
+        stop=req.stop,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+    )
 
 
 def _prepared(
-    state: ServerState,
+    srv: Serving,
     req: CompletionRequest | ChatCompletionRequest,
     jobs: list[tuple[Prompt, SamplingParams]],
     *,
@@ -91,9 +100,9 @@ def _prepared(
         engine_kwargs["session_id"] = sid
     return Prepared(
         chat=chat,
-        rid=_new_id("chatcmpl" if chat else "cmpl"),
+        rid=new_id("chatcmpl-" if chat else "cmpl-"),
         created=int(time.time()),
-        model=state.model_name,
+        model=srv.model_name,
         jobs=jobs,
         n=n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
@@ -102,9 +111,9 @@ def _prepared(
 
 
 def prepare_completion(
-    state: ServerState, req: CompletionRequest, *, priority: int = 0, session_id: str | None = None
+    srv: Serving, req: CompletionRequest, *, priority: int = 0, session_id: str | None = None
 ) -> Prepared:
-    _check_common(state, req)
+    _check_common(srv, req)
     if req.echo:
         raise APIError(400, "echo is not supported", param="echo")
     if req.suffix:
@@ -126,10 +135,10 @@ def prepare_completion(
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     max_tokens = req.max_tokens or 16
     jobs = [(pr, _params(req, max_tokens, req.logprobs, j)) for pr in prompts for j in range(n)]
-    return _prepared(state, req, jobs, n=n, priority=priority, session_id=session_id)
+    return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
-def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+def chat_prompt(srv: Serving, req: ChatCompletionRequest) -> list[int]:
     messages: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         if isinstance(m.content, list):
@@ -150,11 +159,9 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
             msg["name"] = m.name
         messages.append(msg)
     try:
-        return state.engine.apply_chat_template(messages)
+        return srv.engine.apply_chat_template(messages)
     except InvalidRequestError as e:  # no tokenizer or no chat template
         raise APIError(400, f"{e}: use /v1/completions") from e
-    except ShoalError as e:
-        raise from_engine_error(e) from e
     except Exception as e:  # the template itself rejected the conversation
         raise APIError(
             400, f"the chat template rejected the messages: {e}", param="messages"
@@ -162,13 +169,13 @@ def chat_prompt(state: ServerState, req: ChatCompletionRequest) -> list[int]:
 
 
 def prepare_chat(
-    state: ServerState,
+    srv: Serving,
     req: ChatCompletionRequest,
     *,
     priority: int = 0,
     session_id: str | None = None,
 ) -> Prepared:
-    _check_common(state, req)
+    _check_common(srv, req)
     if req.tools:
         raise APIError(400, "tools are not supported", param="tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
@@ -177,30 +184,30 @@ def prepare_chat(
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = chat_prompt(state, req)
+    ids = chat_prompt(srv, req)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, state.engine.max_model_len - len(ids))
+        max_tokens = max(1, srv.engine.max_model_len - len(ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n = req.n or 1
     jobs: list[tuple[Prompt, SamplingParams]] = [
         (ids, _params(req, max_tokens, logprobs, j)) for j in range(n)
     ]
-    return _prepared(state, req, jobs, n=n, priority=priority, session_id=session_id)
+    return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
-async def _one(state: ServerState, prep: Prepared, i: int) -> AsyncGenerator[RequestOutput]:
+async def _one(srv: Serving, prep: Prepared, i: int) -> AsyncGenerator[RequestOutput]:
     """One choice through the engine, with TTFT and inter-token latency recorded."""
     prompt, params = prep.jobs[i]
     request_id = f"{prep.rid}-{i // prep.n}-{i % prep.n}"
-    metrics = state.metrics
+    metrics = srv.metrics
     last_t: float | None = None
     last_n = 0
     final: RequestOutput | None = None
     try:
         gen = cast(
             AsyncGenerator[RequestOutput],
-            state.aeng.generate(prompt, params, request_id, **prep.engine_kwargs),
+            srv.aeng.generate(prompt, params, request_id, **prep.engine_kwargs),
         )
         async with aclosing(gen):
             async for out in gen:
@@ -220,10 +227,10 @@ async def _one(state: ServerState, prep: Prepared, i: int) -> AsyncGenerator[Req
         metrics.finished(final)
 
 
-async def merged(state: ServerState, prep: Prepared) -> AsyncGenerator[tuple[int, RequestOutput]]:
+async def merged(srv: Serving, prep: Prepared) -> AsyncGenerator[tuple[int, RequestOutput]]:
     """All choices at once, tagged by index. Closing this aborts whatever still runs."""
     if len(prep.jobs) == 1:
-        async with aclosing(_one(state, prep, 0)) as gen:
+        async with aclosing(_one(srv, prep, 0)) as gen:
             async for out in gen:
                 yield 0, out
         return
@@ -231,7 +238,7 @@ async def merged(state: ServerState, prep: Prepared) -> AsyncGenerator[tuple[int
 
     async def pump(i: int) -> None:
         try:
-            async with aclosing(_one(state, prep, i)) as gen:
+            async with aclosing(_one(srv, prep, i)) as gen:
                 async for out in gen:
                     queue.put_nowait((i, out))
         except Exception as e:
@@ -256,28 +263,20 @@ async def merged(state: ServerState, prep: Prepared) -> AsyncGenerator[tuple[int
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _as_api_error(e: BaseException) -> APIError:
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, ShoalError):
-        return from_engine_error(e)
-    return APIError(500, f"generation failed: {type(e).__name__}")
-
-
-async def respond(state: ServerState, prep: Prepared) -> dict[str, Any]:
+async def respond(srv: Serving, prep: Prepared) -> dict[str, Any]:
     """Run to completion and return the response body (raises APIError)."""
     finals: list[RequestOutput | None] = [None] * len(prep.jobs)
     try:
-        async with aclosing(merged(state, prep)) as gen:
+        async with aclosing(merged(srv, prep)) as gen:
             async for i, out in gen:
                 finals[i] = out
     except Exception as e:
-        raise _as_api_error(e) from e
+        raise to_api_error(e) from e
     outs = [o for o in finals if o is not None]
     if len(outs) != len(finals) or any(o.finish_reason == "abort" for o in outs):
         raise APIError(503, "the request was aborted (the server is shutting down)")
     build = fmt.chat_body if prep.chat else fmt.completion_body
-    return build(prep.rid, prep.created, prep.model, outs, state.engine.tokenizer)
+    return build(prep.rid, prep.created, prep.model, outs, prep.n, srv.engine.tokenizer)
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -286,10 +285,10 @@ def _sse(obj: dict[str, Any] | str) -> bytes:
 
 
 async def start_stream(
-    state: ServerState, prep: Prepared
+    srv: Serving, prep: Prepared
 ) -> tuple[AsyncGenerator[tuple[int, RequestOutput]], tuple[int, RequestOutput]]:
     """Submit and wait for the first output, so that bad input fails before the 200."""
-    gen = merged(state, prep)
+    gen = merged(srv, prep)
     try:
         first = await anext(gen)
     except StopAsyncIteration as e:
@@ -297,18 +296,18 @@ async def start_stream(
         raise APIError(503, "the request was aborted") from e
     except BaseException as e:
         await gen.aclose()
-        raise _as_api_error(e) from e
+        raise to_api_error(e) from e
     return gen, first
 
 
 async def stream_sse(
-    state: ServerState,
+    srv: Serving,
     prep: Prepared,
     gen: AsyncGenerator[tuple[int, RequestOutput]],
     first: tuple[int, RequestOutput],
 ) -> AsyncIterator[bytes]:
     """Server-sent events in OpenAI's chunk format, ending with `[DONE]`."""
-    tok = state.engine.tokenizer
+    tok = srv.engine.tokenizer
     k = len(prep.jobs)
     text_sent = [0] * k
     toks_sent = [0] * k
@@ -366,11 +365,11 @@ async def stream_sse(
                     "created": created,
                     "model": model,
                     "choices": [],
-                    "usage": fmt.usage(finals),
+                    "usage": fmt.usage(finals, prep.n),
                 }
             )
     except Exception as e:
-        yield _sse(_as_api_error(e).body())
+        yield _sse(to_api_error(e).body())
     finally:
         await gen.aclose()
     yield _sse("[DONE]")

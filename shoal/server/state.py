@@ -1,7 +1,8 @@
-"""What the server holds at run time: its configuration, the engine, the store, the runner.
+"""What the server holds at run time: its configuration, the serving path, the store, the runner.
 
-One `ServerState` per app, reached through `request.app.state` rather than module globals, so
-several servers can run in one process (the tests do) without sharing anything.
+One `ServerState` per app, set as `app.state.shoal` when the app starts and reached through
+`request.app.state` (never module globals), so several servers can run in one process (the
+tests do) without sharing anything.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
-from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.llm_engine import Engine
+from shoal.config import EngineConfig
 
 if TYPE_CHECKING:
+    from shoal.engine.llm_engine import Engine
     from shoal.server.batch_runner import BatchRunner
-    from shoal.server.metrics import ServerMetrics
+    from shoal.server.serving import Serving
     from shoal.server.store import Store
 
 MiB = 1 << 20
@@ -25,12 +26,7 @@ MiB = 1 << 20
 
 @dataclass(slots=True)
 class ServerConfig:
-    model: str | None = None
-    dtype: str = "float32"
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_waiting: int = 1024  # queued + running requests before 429
-    num_blocks: int | None = None
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_waiting=1024))
     data_dir: Path = Path("./shoal-data")
     api_key: str | None = None
     max_body_bytes: int = 8 * MiB  # JSON bodies
@@ -41,22 +37,24 @@ class ServerConfig:
     batch_window_s: int | None = None  # overrides the 24h completion window (tests, operators)
     drain_timeout_s: float = 10.0
     batch_grace_s: float = 2.0
+    session_save_s: float = 1.0  # how often an idle engine writes unsaved session KV to disk
 
 
 @dataclass(slots=True)
 class ServerState:
     config: ServerConfig
-    engine: Engine
-    aeng: AsyncEngine
+    serving: Serving
     store: Store
     runner: BatchRunner
-    metrics: ServerMetrics
     shutting_down: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> Engine:
+        return self.serving.engine
 
     @property
     def model_name(self) -> str:
-        return str(self.engine.model_name)
+        return self.serving.model_name
 
 
 def get_state(request: Request) -> ServerState:

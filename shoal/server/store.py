@@ -9,14 +9,15 @@ from this table, never from memory.
 from __future__ import annotations
 
 import json
-import os
 import sqlite3
 import threading
 import time
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
+
+from shoal.durable import atomic_write
+from shoal.server.ids import new_id
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
@@ -46,12 +47,6 @@ CREATE TABLE IF NOT EXISTS results (
 );
 """
 
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
 
 def _file_obj(row: sqlite3.Row) -> dict[str, Any]:
     return {
@@ -65,15 +60,6 @@ def _file_obj(row: sqlite3.Row) -> dict[str, Any]:
         "expires_at": row["expires_at"],
         "status_details": None,
     }
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class Store:
@@ -113,7 +99,7 @@ class Store:
         expires_at: int | None = None,
     ) -> dict[str, Any]:
         file_id = file_id or new_id("file-")
-        write_atomic(self.file_path(file_id), content)
+        atomic_write(self.file_path(file_id), content)
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO files "
@@ -192,17 +178,20 @@ class Store:
         rows = self._q(sql, tuple(args))
         return [json.loads(r["obj"]) for r in rows[:limit]], len(rows) > limit
 
-    def active_batch_ids(self) -> list[str]:
-        marks = ",".join("?" * len(ACTIVE))
-        rows = self._q(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", ACTIVE)
+    def batch_ids(self, statuses: Iterable[str]) -> list[str]:
+        """Batches in one of `statuses`, oldest first."""
+        wanted = tuple(statuses)
+        marks = ",".join("?" * len(wanted))
+        rows = self._q(f"SELECT id FROM batches WHERE status IN ({marks}) ORDER BY seq", wanted)
         return [r["id"] for r in rows]
 
-    def batches_using_file(self, file_id: str) -> list[str]:
-        marks = ",".join("?" * len(ACTIVE))
+    def batches_using_file(self, file_id: str, statuses: Iterable[str]) -> list[str]:
+        wanted = tuple(statuses)
+        marks = ",".join("?" * len(wanted))
         rows = self._q(
             f"SELECT id FROM batches WHERE status IN ({marks}) "
             "AND json_extract(obj, '$.input_file_id') = ?",
-            (*ACTIVE, file_id),
+            (*wanted, file_id),
         )
         return [r["id"] for r in rows]
 

@@ -22,6 +22,7 @@ import uvicorn
 from server_harness import LiveServer, SpawnedServer, free_port
 from server_tiny_model import build_tiny_model
 
+from shoal.config import EngineConfig
 from shoal.server.app import create_app
 from shoal.server.state import ServerConfig
 
@@ -40,10 +41,12 @@ def start_server(
 ) -> Iterator[Callable[..., LiveServer]]:
     started: list[LiveServer] = []
 
-    def start(**overrides: Any) -> LiveServer:
+    def start(engine: dict[str, Any] | None = None, **overrides: Any) -> LiveServer:
+        """A server on the tiny model; `engine` holds `EngineConfig` overrides."""
         overrides.setdefault("data_dir", tmp_path_factory.mktemp("data"))
-        overrides.setdefault("num_blocks", NUM_BLOCKS)
-        config = ServerConfig(model=str(tiny_chat_model), **overrides)
+        engine_kw = {"num_blocks": NUM_BLOCKS, "max_waiting": 1024, **(engine or {})}
+        engine_config = EngineConfig(model=str(tiny_chat_model), **engine_kw)
+        config = ServerConfig(engine=engine_config, **overrides)
         port = free_port()
         uv = uvicorn.Config(
             create_app(config),

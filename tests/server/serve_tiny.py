@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from shoal.config import EngineConfig
 from shoal.server.app import run_server
 from shoal.server.state import ServerConfig
 
@@ -19,12 +20,11 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--batch-concurrency", type=int, default=4)
     a = p.parse_args()
+    engine = EngineConfig(
+        model=a.model, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, max_waiting=1024
+    )
     config = ServerConfig(
-        model=a.model,
-        data_dir=Path(a.data_dir),
-        num_blocks=a.num_blocks,
-        max_num_seqs=a.max_num_seqs,
-        batch_concurrency=a.batch_concurrency,
+        engine=engine, data_dir=Path(a.data_dir), batch_concurrency=a.batch_concurrency
     )
     run_server(config, "127.0.0.1", a.port, log_level="warning")
 

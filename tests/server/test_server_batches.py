@@ -215,7 +215,7 @@ def test_list_batches_paginates(client: openai.OpenAI, server: LiveServer) -> No
 
 
 def test_cancel(start_server: Callable[..., LiveServer]) -> None:
-    live = start_server(batch_concurrency=2, max_num_seqs=2)
+    live = start_server(batch_concurrency=2, engine={"max_num_seqs": 2})
     c = live.client()
     lines = [
         chat_line(f"r{i}", live.model, "count to ten", max_tokens=200, ignore_eos=True)
@@ -238,7 +238,7 @@ def test_cancel(start_server: Callable[..., LiveServer]) -> None:
 
 
 def test_expiry(start_server: Callable[..., LiveServer]) -> None:
-    live = start_server(batch_concurrency=1, max_num_seqs=1, batch_window_s=1)
+    live = start_server(batch_concurrency=1, batch_window_s=1, engine={"max_num_seqs": 1})
     c = live.client()
     lines = [
         chat_line(f"r{i}", live.model, "count", max_tokens=150, ignore_eos=True) for i in range(30)
@@ -258,7 +258,7 @@ def test_expiry(start_server: Callable[..., LiveServer]) -> None:
 def test_interactive_overtakes_batch(start_server: Callable[..., LiveServer]) -> None:
     """Batch lines wait in the engine at priority 1; an interactive request (priority 0)
     goes ahead of them instead of queueing behind."""
-    live = start_server(batch_concurrency=4, max_num_seqs=1)
+    live = start_server(batch_concurrency=4, engine={"max_num_seqs": 1})
     c = live.client()
     lines = [
         chat_line(f"r{i}", live.model, "count", max_tokens=80, ignore_eos=True) for i in range(8)

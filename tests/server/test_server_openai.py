@@ -234,7 +234,7 @@ def test_api_key(start_server: Callable[..., LiveServer]) -> None:
 
 
 def test_queue_full_is_429(start_server: Callable[..., LiveServer]) -> None:
-    live = start_server(max_waiting=1)
+    live = start_server(engine={"max_waiting": 1})
     body = {
         "model": live.model,
         "prompt": "Hello",
