@@ -28,6 +28,14 @@ def check_session_id(session_id: object) -> str:
     return session_id
 
 
+def longest_token_bytes(tokenizer: Any) -> int:
+    """An upper bound on the UTF-8 bytes one token covers: a prompt longer than
+    `max_model_len` times this is too long whatever its tokens, so it is refused before the
+    (possibly seconds-long) tokenization of a huge text. Vocabulary strings are at least as
+    long as what they decode to (byte-level and SentencePiece markers only add bytes)."""
+    return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -45,11 +53,23 @@ class InputProcessor:
         self.block_size = block_size
         self.device = device
         self._ids = itertools.count()
+        self.max_prompt_bytes = (
+            max_model_len * longest_token_bytes(tokenizer) if tokenizer is not None else 0
+        )
+
+    def check_text_length(self, num_bytes: int) -> None:
+        """Refuse, without tokenizing, a text that cannot fit the model whatever its tokens."""
+        if num_bytes > self.max_prompt_bytes:
+            raise PromptTooLongError(
+                f"the prompt is {num_bytes} bytes long, more than {self.max_model_len} tokens "
+                f"of this model can hold (the model takes at most {self.max_model_len} tokens)"
+            )
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("this model has no tokenizer: pass token ids")
+            self.check_text_length(len(prompt.encode()))
             return list(self.tokenizer.encode(prompt, add_special_tokens=False))
         ids = list(prompt)
         vocab = self.vocab_size
@@ -66,6 +86,7 @@ class InputProcessor:
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
+        self.check_text_length(sum(len(str(m.get("content") or "").encode()) for m in messages))
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.encode(text)
 

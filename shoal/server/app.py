@@ -58,7 +58,7 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         lock.acquire()
         eng = engine or build_engine(config)
         aeng = AsyncEngine(eng)
-        serving = Serving(eng, aeng, ServerMetrics(eng))
+        serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()))
         store = Store(config.data_dir)
         runner = BatchRunner(
             store,

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from shoal.server.errors import error_body, to_api_error
 from shoal.server.formatting import batch_usage
 from shoal.server.ids import new_id
-from shoal.server.jsonl import BatchLine, parse_batch_file
+from shoal.server.jsonl import BatchLine, parse_batch_file, read_chunks
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
 from shoal.server.store import Store
@@ -69,10 +69,10 @@ async def execute_line(
     try:
         if endpoint == "/v1/chat/completions":
             req: Any = ChatCompletionRequest.model_validate(body)
-            prep = prepare_chat(serving, req, priority=priority)
+            prep = await prepare_chat(serving, req, priority=priority)
         else:
             req = CompletionRequest.model_validate(body)
-            prep = prepare_completion(serving, req, priority=priority)
+            prep = await prepare_completion(serving, req, priority=priority)
         result = await respond(serving, prep)
     except ValidationError as e:
         errs = e.errors()
@@ -160,7 +160,10 @@ class BatchRunner:
     # -- one batch -------------------------------------------------------------------------
     def _lines(self, obj: dict[str, Any]) -> tuple[list[BatchLine], list[dict[str, Any]]]:
         try:
-            data = self.store.read_file(obj["input_file_id"])
+            with self.store.file_path(obj["input_file_id"]).open("rb") as f:
+                return parse_batch_file(
+                    read_chunks(f), max_lines=self.max_lines, endpoint=obj["endpoint"]
+                )
         except FileNotFoundError:
             return [], [
                 {
@@ -170,7 +173,6 @@ class BatchRunner:
                     "line": None,
                 }
             ]
-        return parse_batch_file(data, max_lines=self.max_lines, endpoint=obj["endpoint"])
 
     async def _run(self, batch_id: str) -> None:
         obj = self.store.get_batch(batch_id)

@@ -30,7 +30,6 @@ _TYPES = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
-    422: "invalid_request_error",
     429: "rate_limit_exceeded",
     500: "server_error",
     503: "service_unavailable",
@@ -77,7 +76,7 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, PromptTooLongError):
-        return APIError(413, str(e), param="prompt", code="context_length_exceeded")
+        return APIError(400, str(e), param="prompt", code="context_length_exceeded")
     if isinstance(e, InvalidRequestError):
         return APIError(400, str(e))
     if isinstance(e, QueueFullError):
@@ -111,13 +110,15 @@ def install_handlers(app: FastAPI) -> None:
     async def validation_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = list(exc.errors())
+        if any(e.get("type") == "json_invalid" for e in errors):
+            detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
+            message = f"We could not parse the JSON body of your request: {detail}"
+            return error_response(APIError(400, message))
         first = errors[0] if errors else {}
         param = _loc(first) or None
         message = "; ".join(f"{_loc(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
-        # Bad JSON bodies are 400 as with OpenAI; bad query or path parameters are 422.
-        in_body = all(e.get("loc", ("body",))[0] == "body" for e in errors)
-        status = 400 if in_body else 422
-        return error_response(APIError(status, message or "invalid request", param=param))
+        # Bad bodies, queries and paths are all 400s, as with OpenAI.
+        return error_response(APIError(400, message or "invalid request", param=param))
 
     async def http_error(_: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)

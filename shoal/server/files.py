@@ -7,15 +7,16 @@ batch still reads is refused.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+import asyncio
+from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
-from fastapi.responses import Response
+from fastapi.responses import FileResponse
 
 from shoal.server.batch_runner import ACTIVE
 from shoal.server.errors import APIError, not_found
 from shoal.server.formatting import list_page
-from shoal.server.jsonl import parse_batch_file
+from shoal.server.jsonl import parse_batch_file, read_chunks
 from shoal.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -32,23 +33,24 @@ async def upload_file(
 ) -> dict[str, Any]:
     if purpose not in PURPOSES:
         raise APIError(400, f"purpose must be one of {', '.join(PURPOSES)}", param="purpose")
-    limit = state.config.max_upload_bytes
-    data = await file.read(limit + 1)
-    if len(data) > limit:
-        raise APIError(413, f"the file is larger than {limit} bytes", param="file")
-    if purpose == "batch":
-        _, errors = parse_batch_file(data, max_lines=state.config.max_batch_lines)
+    # The body is already spooled to a temporary file (the middleware capped its size); copy
+    # it to the store in chunks, checking batch files line by line on the way, off the loop.
+    name = file.filename or "upload.jsonl"
+    return await asyncio.to_thread(_store_upload, state, file.file, name, purpose)
+
+
+def _store_upload(state: ServerState, src: BinaryIO, name: str, purpose: str) -> dict[str, Any]:
+    if purpose == "batch":  # checked first, line by line, then copied: two streaming passes
+        _, errors = parse_batch_file(
+            read_chunks(src), max_lines=state.config.max_batch_lines, keep=False
+        )
         if errors:
             shown = "; ".join(e["message"] for e in errors[:5])
             more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-            first_line = errors[0].get("line")
-            raise APIError(
-                400,
-                f"invalid batch file: {shown}{more}",
-                param="file",
-                code=errors[0]["code"] if first_line is not None else None,
-            )
-    return state.store.create_file(file.filename or "upload.jsonl", purpose, data)
+            msg = f"invalid batch file: {shown}{more}"
+            raise APIError(400, msg, param="file", code=errors[0]["code"])
+        src.seek(0)
+    return state.store.create_file(name, purpose, read_chunks(src))
 
 
 @router.get("/v1/files")
@@ -76,13 +78,12 @@ async def get_file(state: State, file_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(state: State, file_id: str) -> Response:
+async def file_content(state: State, file_id: str) -> FileResponse:
     _file(state, file_id)
-    try:
-        data = state.store.read_file(file_id)
-    except FileNotFoundError as e:
-        raise not_found("file", file_id, "file_id") from e
-    return Response(data, media_type="application/octet-stream")
+    path = state.store.file_path(file_id)
+    if not path.is_file():
+        raise not_found("file", file_id, "file_id")
+    return FileResponse(path, media_type="application/octet-stream")  # streamed in chunks
 
 
 @router.delete("/v1/files/{file_id}")

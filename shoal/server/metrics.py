@@ -72,7 +72,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """One registry per app, so several servers can live in one process (tests)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, server: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram(
@@ -116,6 +116,10 @@ class ServerMetrics:
                 "session_cache_dir": c.cache_dir or "",
             }
         )
+        if server is not None:
+            Info("shoal_server", "How the server was configured.", registry=self.registry).info(
+                server
+            )
 
     def finished(self, out: RequestOutput | None) -> None:
         reason = out.finish_reason if out is not None and out.finish_reason else "abort"

@@ -111,7 +111,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 async def completions(
     request: Request, state: State, req: CompletionRequest, x_session_id: SessionHeader = None
 ) -> Response:
-    prep = prepare_completion(state.serving, req, session_id=x_session_id)
+    prep = await prepare_completion(state.serving, req, session_id=x_session_id)
     return await _serve(request, state.serving, prep, bool(req.stream))
 
 
@@ -122,7 +122,7 @@ async def chat_completions(
     req: ChatCompletionRequest,
     x_session_id: SessionHeader = None,
 ) -> Response:
-    prep = prepare_chat(state.serving, req, session_id=x_session_id)
+    prep = await prepare_chat(state.serving, req, session_id=x_session_id)
     return await _serve(request, state.serving, prep, bool(req.stream))
 
 

@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.llm_engine import Engine
-from shoal.errors import InvalidRequestError
+from shoal.errors import InvalidRequestError, PromptTooLongError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 from shoal.server import formatting as fmt
@@ -110,7 +110,7 @@ def _prepared(
     )
 
 
-def prepare_completion(
+async def prepare_completion(
     srv: Serving, req: CompletionRequest, *, priority: int = 0, session_id: str | None = None
 ) -> Prepared:
     _check_common(srv, req)
@@ -134,7 +134,10 @@ def prepare_completion(
     if len(prompts) > MAX_PROMPTS:
         raise APIError(400, f"at most {MAX_PROMPTS} prompts per request", param="prompt")
     max_tokens = req.max_tokens or 16
-    jobs = [(pr, _params(req, max_tokens, req.logprobs, j)) for pr in prompts for j in range(n)]
+    params = [_params(req, max_tokens, req.logprobs, j) for j in range(n)]
+    if any(isinstance(pr, str) for pr in prompts):  # tokenizing can take a while: off the loop
+        prompts = await asyncio.to_thread(lambda: [srv.engine.encode(pr) for pr in prompts])
+    jobs = [(pr, params[j]) for pr in prompts for j in range(n)]
     return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
@@ -160,6 +163,8 @@ def chat_prompt(srv: Serving, req: ChatCompletionRequest) -> list[int]:
         messages.append(msg)
     try:
         return srv.engine.apply_chat_template(messages)
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
     except InvalidRequestError as e:  # no tokenizer or no chat template
         raise APIError(400, f"{e}: use /v1/completions") from e
     except Exception as e:  # the template itself rejected the conversation
@@ -168,7 +173,7 @@ def chat_prompt(srv: Serving, req: ChatCompletionRequest) -> list[int]:
         ) from e
 
 
-def prepare_chat(
+async def prepare_chat(
     srv: Serving,
     req: ChatCompletionRequest,
     *,
@@ -184,7 +189,7 @@ def prepare_chat(
         )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = chat_prompt(srv, req)
+    ids = await asyncio.to_thread(chat_prompt, srv, req)  # templating and tokenizing
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, srv.engine.max_model_len - len(ids))

@@ -39,6 +39,17 @@ class ServerConfig:
     batch_grace_s: float = 2.0
     session_save_s: float = 1.0  # how often an idle engine writes unsaved session KV to disk
 
+    def describe(self) -> dict[str, str]:
+        """The server's own settings, as `/metrics` shows them (never the API key)."""
+        return {
+            "data_dir": str(self.data_dir),
+            "auth": "bearer" if self.api_key else "none",
+            "batch_concurrency": str(self.batch_concurrency),
+            "max_batch_lines": str(self.max_batch_lines),
+            "max_body_bytes": str(self.max_body_bytes),
+            "max_upload_bytes": str(self.max_upload_bytes),
+        }
+
 
 @dataclass(slots=True)
 class ServerState:

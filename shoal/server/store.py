@@ -93,18 +93,19 @@ class Store:
         self,
         filename: str,
         purpose: str,
-        content: bytes,
+        content: bytes | Iterable[bytes],
         *,
         file_id: str | None = None,
         expires_at: int | None = None,
     ) -> dict[str, Any]:
+        """Store `content` (bytes, or chunks streamed to disk) whole, then record it."""
         file_id = file_id or new_id("file-")
-        atomic_write(self.file_path(file_id), content)
+        size = atomic_write(self.file_path(file_id), content)
         with self._lock:
             self._db.execute(
                 "INSERT OR REPLACE INTO files "
                 "(id, bytes, created_at, filename, purpose, expires_at) VALUES (?, ?, ?, ?, ?, ?)",
-                (file_id, len(content), int(time.time()), filename, purpose, expires_at),
+                (file_id, size, int(time.time()), filename, purpose, expires_at),
             )
         obj = self.get_file(file_id)
         assert obj is not None
@@ -113,9 +114,6 @@ class Store:
     def get_file(self, file_id: str) -> dict[str, Any] | None:
         rows = self._q("SELECT * FROM files WHERE id = ?", (file_id,))
         return _file_obj(rows[0]) if rows else None
-
-    def read_file(self, file_id: str) -> bytes:
-        return self.file_path(file_id).read_bytes()
 
     def list_files(
         self, *, purpose: str | None, after: str | None, limit: int, order: str

@@ -229,3 +229,25 @@ def test_generate_needs_one_params_per_prompt(tiny):
     with pytest.raises(InvalidRequestError):
         llm.generate([[5], [6]], [SamplingParams(), SamplingParams(), SamplingParams()])
     assert_untouched(llm.engine)
+
+
+def test_huge_text_is_refused_before_tokenizing(tiny_model_dir, monkeypatch):
+    """A text longer than any max_model_len tokens could cover fails at once, untokenized."""
+    engine = Engine(model=str(tiny_model_dir("llama", tokenizer=True)), dtype="float64")
+    bound = engine.inputs.max_prompt_bytes
+    assert 0 < bound < 10**6
+    calls = []
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda *a, **k: calls.append(1) or [5])
+    with pytest.raises(PromptTooLongError, match="bytes long"):
+        engine.add_request("w5 " * bound, SamplingParams(max_tokens=1))
+    with pytest.raises(PromptTooLongError):
+        engine.apply_chat_template([{"role": "user", "content": "w5 " * bound}])
+    assert calls == []
+    engine.add_request("w5 w6", SamplingParams(max_tokens=1))  # a normal prompt still encodes
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("sid", ["", "x" * 257, 7])
+def test_bad_session_ids(engine, sid):
+    with pytest.raises(InvalidRequestError, match="session_id"):
+        engine.add_request([5, 6], SamplingParams(max_tokens=1), session_id=sid)

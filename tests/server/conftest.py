@@ -83,29 +83,17 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 @pytest.fixture
-def spawn_server(tiny_chat_model: Path, tmp_path: Path) -> Iterator[Callable[..., SpawnedServer]]:
+def spawn_command(tmp_path: Path) -> Iterator[Callable[..., SpawnedServer]]:
+    """`spawn_command(lambda port: [...argv...])`: a server process on a free port, ready."""
     procs: list[SpawnedServer] = []
 
-    def spawn(data_dir: Path, *extra: str) -> SpawnedServer:
+    def spawn(argv: Callable[[int], list[str]]) -> SpawnedServer:
         for attempt in range(3):  # a free port can be taken before the child binds it
             port = free_port()
             log = tmp_path / f"server-{port}.log"
-            cmd = [
-                sys.executable,
-                str(HERE / "serve_tiny.py"),
-                "--model",
-                str(tiny_chat_model),
-                "--port",
-                str(port),
-                "--data-dir",
-                str(data_dir),
-                "--num-blocks",
-                str(NUM_BLOCKS),
-                *extra,
-            ]
             with log.open("wb") as fh:
                 proc = subprocess.Popen(
-                    cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)
+                    argv(port), stdout=fh, stderr=subprocess.STDOUT, env=dict(os.environ)
                 )
             spawned = SpawnedServer(f"http://127.0.0.1:{port}", proc, log)
             procs.append(spawned)
@@ -122,3 +110,29 @@ def spawn_server(tiny_chat_model: Path, tmp_path: Path) -> Iterator[Callable[...
         if p.proc.poll() is None:
             p.proc.kill()
             p.proc.wait(timeout=30)
+
+
+@pytest.fixture
+def spawn_server(
+    tiny_chat_model: Path, spawn_command: Callable[..., SpawnedServer]
+) -> Callable[..., SpawnedServer]:
+    """A test server (`serve_tiny.py`: the tiny model, a small pool) in its own process."""
+
+    def spawn(data_dir: Path, *extra: str) -> SpawnedServer:
+        return spawn_command(
+            lambda port: [
+                sys.executable,
+                str(HERE / "serve_tiny.py"),
+                "--model",
+                str(tiny_chat_model),
+                "--port",
+                str(port),
+                "--data-dir",
+                str(data_dir),
+                "--num-blocks",
+                str(NUM_BLOCKS),
+                *extra,
+            ]
+        )
+
+    return spawn
