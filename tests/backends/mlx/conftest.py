@@ -7,19 +7,24 @@ where the real weights matter (`test_smollm2_mlx.py`).
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("mlx_lm", reason="the MLX backend needs `pip install 'shoal[mlx]'`")
+if importlib.util.find_spec("mlx_lm") is None:  # found without importing: see the BLAS note
+    pytest.skip("the MLX backend needs `pip install 'shoal[mlx]'`", allow_module_level=True)
 
+# shoal.backends.mlx first: it may preload OpenBLAS, which must come before mlx.
+from shoal.backends.mlx import BlockPoolBatchEngine, ModelCacheSpec
+
+# isort: split
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.models import llama
 
-from shoal.backends.mlx import BlockPoolBatchEngine, ModelCacheSpec
 from shoal.engine.block_pool import BlockPool
 from shoal.models.files import bundled_model_path, gguf_metadata
 
