@@ -9,8 +9,6 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-import torch
-
 from shoal.engine.block_pool import cdiv
 from shoal.engine.sequence import Sequence
 from shoal.errors import InvalidRequestError, PromptTooLongError
@@ -125,5 +123,7 @@ class InputProcessor:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if params.seed is not None:
+            import torch  # here, so that torch-free backends can share the checks above
+
             seq.generator = torch.Generator(self.device).manual_seed(params.seed)
         return seq

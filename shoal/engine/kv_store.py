@@ -15,8 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 
-from shoal.engine.session_files import KVLayout, SessionFiles
-from shoal.engine.sessions import StoredSession
+from shoal.engine.session_files import FilesTier, KVLayout, SessionFiles
 from shoal.errors import CacheCorruptionError
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -59,20 +58,12 @@ def scatter_blocks(caches: KVCaches, block_ids: list[int], kv: torch.Tensor) -> 
             v[dst : dst + n].copy_(kv[i, 1, src : src + n])
 
 
-class SessionStore:
+class SessionStore(FilesTier):
     """`SessionIO` over the runner's KV caches and the session files."""
 
     def __init__(self, runner: BlockSource, layout: KVLayout, cache_dir: str | Path | None) -> None:
         self.runner = runner
         self.files = SessionFiles(layout, cache_dir)
-
-    @property
-    def persistent(self) -> bool:
-        return self.files.persistent
-
-    @property
-    def disk_bytes(self) -> int:
-        return self.files.disk_bytes
 
     def copy_block(self, src: int, dst: int) -> None:
         self.runner.copy_block(src, dst)
@@ -99,14 +90,3 @@ class SessionStore:
 
     def restore(self, data: torch.Tensor, block_ids: list[int]) -> None:
         scatter_blocks(self.runner.kv_caches(), block_ids, data)
-
-    def delete(self, session_id: str) -> None:
-        self.files.delete(session_id)
-
-    def has(self, session_id: str) -> bool:
-        return self.files.has(session_id)
-
-    def stored(self) -> list[StoredSession]:
-        return [
-            StoredSession(m.session_id, m.token_ids, m.last_used) for m in self.files.index.values()
-        ]

@@ -26,6 +26,7 @@ import xxhash
 
 from shoal.durable import atomic_write
 from shoal.engine.block_pool import cdiv
+from shoal.engine.sessions import StoredSession
 from shoal.errors import CacheCorruptionError
 
 VERSION = 2  # 2: XXH3 checksums (1 used CRC-32)
@@ -210,3 +211,29 @@ class SessionFiles:
             path.unlink(missing_ok=True)
             return None
         return m
+
+
+class FilesTier:
+    """The disk-tier half of `SessionIO`, the same for every backend: subclasses set `files`
+    and implement the byte moves (`copy_block`, `save`, `load`, `restore`)."""
+
+    files: SessionFiles
+
+    @property
+    def persistent(self) -> bool:
+        return self.files.persistent
+
+    @property
+    def disk_bytes(self) -> int:
+        return self.files.disk_bytes
+
+    def delete(self, session_id: str) -> None:
+        self.files.delete(session_id)
+
+    def has(self, session_id: str) -> bool:
+        return self.files.has(session_id)
+
+    def stored(self) -> list[StoredSession]:
+        return [
+            StoredSession(m.session_id, m.token_ids, m.last_used) for m in self.files.index.values()
+        ]

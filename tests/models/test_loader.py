@@ -14,7 +14,8 @@ import transformers
 
 from shoal import LLM, SamplingParams
 from shoal.errors import InvalidRequestError
-from shoal.models.loader import DTYPES, _gguf_metadata, bundled_model_path, load_model
+from shoal.models.files import bundled_model_path, gguf_metadata
+from shoal.models.loader import DTYPES, load_model
 
 SMALL_KV = 8 << 20
 
@@ -178,7 +179,7 @@ def test_gguf_metadata_is_cached_and_a_damaged_entry_rebuilt(
         settings = {k: v for k, v in config.to_dict().items() if k != "_name_or_path"}
         return (settings, tokenizer.encode(text), template, tokenizer.eos_token_id, fingerprint)
 
-    parsed = facts(_gguf_metadata(path))
+    parsed = facts(gguf_metadata(path))
     (entry,) = (tmp_path / "gguf").iterdir()
     assert (entry / "tokenizer.json").exists()
     with monkeypatch.context() as m:  # a cache hit never parses the GGUF again
@@ -189,10 +190,10 @@ def test_gguf_metadata_is_cached_and_a_damaged_entry_rebuilt(
             return original(*args, **kwargs)
 
         m.setattr(transformers.AutoTokenizer, "from_pretrained", no_gguf)
-        assert facts(_gguf_metadata(path)) == parsed
+        assert facts(gguf_metadata(path)) == parsed
 
     (entry / "shoal.json").write_text("{not json")
     with caplog.at_level("WARNING"):
-        assert facts(_gguf_metadata(path)) == parsed
+        assert facts(gguf_metadata(path)) == parsed
     assert "rebuilding the cached GGUF metadata" in caplog.text
     assert json.loads((entry / "shoal.json").read_text())["fingerprint"] == parsed[-1]

@@ -1,0 +1,1 @@
+"""Optional inference backends beside the torch engine; each is imported only when asked for."""
