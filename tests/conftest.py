@@ -15,6 +15,9 @@ from typing import Any
 
 import pytest
 
+# Live-server fixtures (tests/server/server_fixtures.py), shared by the server and batchify tests.
+pytest_plugins = ["server_fixtures"]
+
 # One thread per pool unless the caller says otherwise. The engine runs products through
 # NumPy's OpenBLAS and the rest through torch; on a busy 2-core machine their two spinning
 # thread pools fight, and a SmolLM2 decode step went from 0.02 s to 3.5 s. Set before torch

@@ -1,4 +1,5 @@
-"""Server fixtures: a tiny model with a tokenizer, and live uvicorn servers on 127.0.0.1.
+"""Live-server fixtures shared by the server and batchify tests (their conftests import them):
+a tiny model with a tokenizer, and live uvicorn servers on 127.0.0.1.
 
 `server` is one shared in-thread server (its engine is reachable for pool checks);
 `start_server(**config)` starts more with other settings; `spawn_server(data_dir)` runs one
