@@ -77,6 +77,7 @@ class Batchify:
         self._cache: Cache | None = None
         self._token: Token[Batchify | None] | None = None
         self._closed = False
+        self._entered = False
 
     # -- what the transport hook calls -----------------------------------------------------
     def intercept(self, request: Any) -> Call | None:
@@ -134,12 +135,13 @@ class Batchify:
 
     def _deactivate(self) -> None:
         """In the caller's context: calls from here on go straight to the provider."""
-        if self._token is not None:
-            try:
-                _ACTIVE.reset(self._token)
-            except ValueError:  # closed from another context than the one that opened it
-                _ACTIVE.set(None)
-            self._token = None
+        if self._token is None:
+            return
+        try:
+            _ACTIVE.reset(self._token)
+        except ValueError:  # closed from another context than the one that opened it
+            _ACTIVE.set(None)
+        self._token = None
         if self in _PROCESS_WIDE:
             _PROCESS_WIDE.remove(self)
         transport.uninstall()
@@ -158,8 +160,11 @@ class Batchify:
             self._cache.close()
 
     def close(self, cancel: bool = False) -> None:
-        """Submit what is queued, wait for every result, release everything. Idempotent;
-        calls made afterwards raise BatchifyClosedError."""
+        """Submit what is queued, wait for every result, release everything. Idempotent.
+
+        Inside a `with` block the scope stays current until the block ends, so calls made
+        after `close()` raise BatchifyClosedError instead of silently going out at full price.
+        """
         if self._closed or self._loop is None:
             self._closed = True
             return
@@ -167,7 +172,8 @@ class Batchify:
         try:
             self._close_future(cancel).result()
         finally:
-            self._deactivate()
+            if not self._entered:
+                self._deactivate()
             self._release()
 
     async def aclose(self, cancel: bool = False) -> None:
@@ -179,24 +185,35 @@ class Batchify:
         try:
             await asyncio.wrap_future(self._close_future(cancel))
         finally:
-            self._deactivate()
+            if not self._entered:
+                self._deactivate()
             await asyncio.to_thread(self._release)
 
     def __enter__(self) -> Batchify:
-        return self.open()
+        self.open()
+        self._entered = True
+        return self
 
     def __exit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        self.close(cancel=self.cancel_on_abort and et is not None)
+        try:
+            self.close(cancel=self.cancel_on_abort and et is not None)
+        finally:
+            self._deactivate()
 
     async def __aenter__(self) -> Batchify:
-        return self.open()
+        self.open()
+        self._entered = True
+        return self
 
     async def __aexit__(
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
-        await self.aclose(cancel=self.cancel_on_abort and et is not None)
+        try:
+            await self.aclose(cancel=self.cancel_on_abort and et is not None)
+        finally:
+            self._deactivate()
 
 
 batchify = Batchify
