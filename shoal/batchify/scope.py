@@ -17,6 +17,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+import httpx
+
 from shoal.batchify import transport
 from shoal.batchify.adapters import to_call
 from shoal.batchify.cache import DEFAULT_MAX_AGE_S, Cache, default_cache_path
@@ -40,7 +42,19 @@ def current_scope() -> Batchify | None:
 
 
 class Batchify:
-    """Use as `async with batchify(...) as b:` or `with batchify(...) as b:`."""
+    """Use as `async with batchify(...) as b:` or `with batchify(...) as b:`.
+
+    batch_size: a queue holding this many calls is submitted at once (the provider's own
+    request and byte limits split it further). window_s: a queue is submitted this long after
+    its first call. poll_interval_s / max_poll_interval_s: polls start at the first and slow
+    down to the second. cache_path: the SQLite ledger (default ~/.cache/shoal/). dry_run: no
+    provider I/O, no cache; every call gets an empty 200 marked `x-shoal-dry-run: 1`.
+    cancel_on_abort: cancel running provider batches when the block exits by an exception.
+    process_wide: also catch calls from threads that do not inherit the context.
+    live_progress: a rich table (None: on a terminal only). fault_hook: called at
+    "intent_written", "submitted" and "recorded" (crash tests). provider_transport: the
+    httpx transport for the batcher's own calls (proxies, tests).
+    """
 
     def __init__(
         self,
@@ -56,6 +70,7 @@ class Batchify:
         process_wide: bool = False,
         live_progress: bool | None = None,
         fault_hook: FaultHook | None = None,
+        provider_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if batch_size < 1 or window_s < 0 or poll_interval_s <= 0:
             raise ValueError("batch_size >= 1, window_s >= 0 and poll_interval_s > 0 are needed")
@@ -65,6 +80,7 @@ class Batchify:
         self.max_poll_interval_s = max_poll_interval_s
         self.dry_run = dry_run
         self.fault_hook = fault_hook
+        self.provider_transport = provider_transport
         self.cache_path = None if dry_run else Path(cache_path or default_cache_path())
         self.cache_max_age_s = cache_max_age_s
         self.cancel_on_abort = cancel_on_abort
@@ -107,7 +123,7 @@ class Batchify:
             raise BatchifyClosedError("a batchify scope opens once")
         if self.cache_path is not None:
             self._cache = Cache(self.cache_path, self.cache_max_age_s)
-        self._http = ProviderHTTP()
+        self._http = ProviderHTTP(transport=self.provider_transport)
         progress = make_progress(self.live_progress)
         loop = self._loop = asyncio.new_event_loop()
         self._batcher = Batcher(

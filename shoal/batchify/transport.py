@@ -18,7 +18,9 @@ from concurrent.futures import Future
 from types import ModuleType
 from typing import Any, Protocol
 
+from shoal.batchify.adapters import for_sdk
 from shoal.batchify.calls import Call, Outcome
+from shoal.batchify.errors import BatchifyError
 from shoal.batchify.provider import INTERNAL
 
 
@@ -58,7 +60,10 @@ def _async_hook(module: ModuleType, original: Any, resolve: Resolver) -> Any:
         if wanted is None:
             return await original(self, request)
         scope, call = wanted
-        outcome = await asyncio.wrap_future(scope.submit(call))
+        try:
+            outcome = await asyncio.wrap_future(scope.submit(call))
+        except BatchifyError as e:
+            raise for_sdk(e, call.target.adapter) from None
         return _response(module, request, outcome)
 
     return handle_async_request
@@ -70,7 +75,11 @@ def _sync_hook(module: ModuleType, original: Any, resolve: Resolver) -> Any:
         if wanted is None:
             return original(self, request)
         scope, call = wanted
-        return _response(module, request, scope.submit(call).result())
+        try:
+            outcome = scope.submit(call).result()
+        except BatchifyError as e:
+            raise for_sdk(e, call.target.adapter) from None
+        return _response(module, request, outcome)
 
     return handle_request
 

@@ -9,6 +9,7 @@ from shoal.batchify.adapters.anthropic import AnthropicAdapter
 from shoal.batchify.adapters.base import Adapter, Candidate, Results, Route, Snapshot
 from shoal.batchify.adapters.openai import OpenAIAdapter
 from shoal.batchify.calls import Call, Target, canonical_json, sha256_hex
+from shoal.batchify.errors import BatchifyError
 
 ADAPTERS: dict[str, Adapter] = {a.name: a for a in (OpenAIAdapter(), AnthropicAdapter())}
 # Room for a batch line's envelope (custom_id, method, url) around the body.
@@ -50,6 +51,29 @@ def to_call(request: Any) -> Call | None:
     )
 
 
+_MIXED: dict[tuple[type, type], type[BatchifyError]] = {}
+
+
+def _mixed(cls: type[BatchifyError], base: type[Exception]) -> type[BatchifyError]:
+    key = (cls, base)
+    if key not in _MIXED:
+        _MIXED[key] = type(cls.__name__, (cls, base), {"__module__": cls.__module__})
+    return _MIXED[key]
+
+
+def for_sdk(error: BaseException, adapter: str) -> BaseException:
+    """`error` as the caller's SDK should see it: a typed batchify error that, for an SDK
+    which would wrap it in a connection error and retry, is also that SDK's own error."""
+    base = ADAPTERS[adapter].sdk_error_base()
+    if base is None or not isinstance(error, BatchifyError) or isinstance(error, base):
+        return error
+    cls = _mixed(type(error), base)
+    mixed = cls.__new__(cls)
+    mixed.__dict__.update(error.__dict__)
+    mixed.args = error.args
+    return mixed
+
+
 __all__ = [
     "ADAPTERS",
     "Adapter",
@@ -59,5 +83,6 @@ __all__ = [
     "Results",
     "Route",
     "Snapshot",
+    "for_sdk",
     "to_call",
 ]

@@ -14,6 +14,7 @@ someone else's, the intent is submitted again after that wait.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
@@ -112,6 +113,13 @@ class AnthropicAdapter:
 
     async def cancel(self, http: ProviderHTTP, target: Target, batch_id: str) -> None:
         await http.send("POST", target, f"/messages/batches/{batch_id}/cancel")
+
+    def sdk_error_base(self) -> type[Exception] | None:
+        """The anthropic SDK turns any exception from its transport into APIConnectionError
+        and retries it, unless it is an AnthropicError."""
+        module = sys.modules.get("anthropic")
+        base = getattr(module, "AnthropicError", None)
+        return base if isinstance(base, type) and issubclass(base, Exception) else None
 
     def dry_run_body(self, endpoint: str, body: dict[str, Any], custom_id: str) -> dict[str, Any]:
         return {

@@ -80,6 +80,11 @@ class Adapter(Protocol):
         """A response body the SDK parses into its usual type, with no provider I/O."""
         ...
 
+    def sdk_error_base(self) -> type[Exception] | None:
+        """The SDK's own error base class if that SDK wraps (and retries) any other exception
+        its transport raises; our typed errors then also derive from it."""
+        ...
+
 
 def jsonl_lines(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in data.decode("utf-8").splitlines() if ln.strip()]

@@ -127,6 +127,9 @@ class OpenAIAdapter:
     async def cancel(self, http: ProviderHTTP, target: Target, batch_id: str) -> None:
         await http.send("POST", target, f"/batches/{batch_id}/cancel")
 
+    def sdk_error_base(self) -> type[Exception] | None:
+        return None  # the openai SDK lets exceptions other than httpx's through unwrapped
+
     def dry_run_body(self, endpoint: str, body: dict[str, Any], custom_id: str) -> dict[str, Any]:
         model, now = body.get("model"), int(time.time())
         usage = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
