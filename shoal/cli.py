@@ -1,4 +1,4 @@
-"""The `shoal` command: generate, bench, serve. Thin: parsing here, work elsewhere."""
+"""The `shoal` command: generate, bench, serve, batchify. Thin: parsing here, work elsewhere."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import sys
 from pathlib import Path
 
+from shoal.batchify.cli import add_arguments as batchify_arguments
 from shoal.config import EngineConfig, GiB
 from shoal.sampling_params import SamplingParams
 
@@ -99,6 +100,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _batchify(args: argparse.Namespace) -> int:
+    from shoal.batchify.cli import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shoal", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -131,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     _engine_args(serve)
     serve.set_defaults(func=_serve)
+
+    bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")
+    batchify_arguments(bf)
+    bf.set_defaults(func=_batchify)
 
     args = parser.parse_args(argv)
     try:
