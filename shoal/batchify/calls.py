@@ -6,8 +6,11 @@ response is rebuilt with the library its own client uses.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import json
+from collections.abc import Iterable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,22 +71,41 @@ def json_outcome(status_code: int, body: Any, headers: dict[str, str] | None = N
     return Outcome(status_code, data, {"content-type": "application/json", **(headers or {})})
 
 
+Reply = Outcome | BaseException
+
+
 @dataclass(slots=True)
 class Pending:
-    """A call and the future its caller (on any thread, sync or async) is waiting on."""
+    """A call and where its caller waits: a concurrent future (a sync caller, blocked on it)
+    or an asyncio future on the caller's own event loop (`loop` set)."""
 
     call: Call
-    future: Future[Outcome]
+    future: Future[Outcome] | asyncio.Future[Outcome]
+    loop: asyncio.AbstractEventLoop | None = None
 
 
-def settle(fut: Future[Outcome], value: Outcome | BaseException) -> None:
-    """Resolve `fut` unless its caller already gave up on it."""
-    if fut.done():
-        return
-    try:
-        if isinstance(value, BaseException):
-            fut.set_exception(value)
+def settle(replies: Iterable[tuple[Pending, Reply]]) -> None:
+    """Resolve callers' futures from the batcher's thread. Callers on one event loop are
+    woken once for all of them, not once each: a batch of 1,000 is one wake-up, not 1,000."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Any, Reply]]] = {}
+    for p, value in replies:
+        if p.loop is None:
+            _resolve([(p.future, value)])
         else:
-            fut.set_result(value)
-    except InvalidStateError:  # cancelled by its caller in the meantime
-        pass
+            by_loop.setdefault(p.loop, []).append((p.future, value))
+    for loop, items in by_loop.items():
+        with contextlib.suppress(RuntimeError):  # a closed loop: nobody waits there any more
+            loop.call_soon_threadsafe(_resolve, items)
+
+
+def _resolve(items: list[tuple[Any, Reply]]) -> None:
+    for fut, value in items:
+        if fut.done():  # its caller gave up (cancelled)
+            continue
+        try:
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
+        except InvalidStateError:  # a concurrent future cancelled in the meantime
+            pass

@@ -24,7 +24,7 @@ from shoal.batchify.errors import (
     BatchSubmitError,
     ProviderHTTPError,
 )
-from shoal.batchify.poll import Backoff, TransientHTTPError, with_retries
+from shoal.batchify.poll import Backoff, Pacer, TransientHTTPError, with_retries
 from shoal.batchify.progress import Progress
 from shoal.batchify.provider import ProviderHTTP
 
@@ -77,9 +77,9 @@ class Job:
         if self.gone:
             return False
         if self.results is not None:
-            settle(p.future, self.results.get(cid) or self._missing(cid))
+            settle([(p, self.results.get(cid) or self._missing(cid))])
         elif self.failure is not None:
-            settle(p.future, self.failure)
+            settle([(p, self.failure)])
         else:
             self.waiting[cid] = p
         return True
@@ -198,17 +198,16 @@ class Job:
                 self._fail(e)
                 return
         self.results = results
-        failed = 0
-        for cid, p in self.waiting.items():
-            value = results.get(cid) or self._missing(cid)
-            failed += not (isinstance(value, Outcome) and value.status_code < 400)
-            settle(p.future, value)
+        replies = [(p, results.get(cid) or self._missing(cid)) for cid, p in self.waiting.items()]
+        settle(replies)
         self.waiting.clear()
+        failed = sum(not (isinstance(v, Outcome) and v.status_code < 400) for _, v in replies)
         state = "failed" if failed == self.intent.n else "done"
         self.env.progress.update(self.tag, state=state, done=self.intent.n, failed=failed)
 
     async def _wait(self, batch_id: str, *, first_delay: bool) -> Snapshot:
         backoff = Backoff(self.env.poll_interval_s, self.env.max_poll_interval_s)
+        pacer = Pacer(backoff)
         if first_delay:
             await asyncio.sleep(backoff.next_delay())
         while True:
@@ -221,7 +220,7 @@ class Job:
             self.env.progress.update(self.tag, state=state, done=snap.done, failed=snap.failed)
             if snap.terminal:
                 return snap
-            await asyncio.sleep(backoff.next_delay())
+            await asyncio.sleep(pacer.next_delay(snap.done, snap.total))
 
     async def _results(self, snap: Snapshot) -> Results:
         return await with_retries(
@@ -242,8 +241,7 @@ class Job:
         if not isinstance(error, Exception):  # cancelled or interrupted: say so to the callers
             error = BatchCancelledError(f"batch {self.tag} abandoned: {type(error).__name__}")
         self.failure = error
-        for p in self.waiting.values():
-            settle(p.future, error)
+        settle((p, error) for p in self.waiting.values())
         self.waiting.clear()
 
     def _missing(self, cid: str) -> BatchResultMissingError:

@@ -38,6 +38,26 @@ class Backoff:
         return delay
 
 
+@dataclass(slots=True)
+class Pacer:
+    """Delays between polls of one batch: the backoff's, stretched to the batch's projected
+    end once it shows progress, so a long batch costs a handful of polls, not hundreds."""
+
+    backoff: Backoff
+    _t0: float | None = None
+    _done0: int = 0
+
+    def next_delay(self, done: int, total: int, now: float | None = None) -> float:
+        now = time.monotonic() if now is None else now
+        delay = self.backoff.next_delay()
+        if self._t0 is None:
+            self._t0, self._done0 = now, done
+        elif done > self._done0 and now > self._t0 and total > done:
+            rate = (done - self._done0) / (now - self._t0)
+            delay = max(delay, min((total - done) / rate, self.backoff.max_s))
+        return delay
+
+
 def retry_after_s(headers: dict[str, str] | object, now: float | None = None) -> float | None:
     """Seconds asked by `retry-after-ms` or `Retry-After` (seconds or an HTTP date), if any."""
     get = getattr(headers, "get", None)

@@ -14,13 +14,12 @@ import logging
 import time
 import uuid
 from collections.abc import Coroutine
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.batchify.adapters import ADAPTERS
 from shoal.batchify.cache import Cache, Intent
-from shoal.batchify.calls import Call, Outcome, Pending, json_outcome, settle
+from shoal.batchify.calls import Pending, json_outcome, settle
 from shoal.batchify.errors import BatchifyClosedError
 from shoal.batchify.jobs import Env, FaultHook, Job, custom_id
 from shoal.batchify.progress import Progress
@@ -79,17 +78,18 @@ class Batcher:
         self._jobs: dict[str, Job] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
 
-    def add(self, call: Call, fut: Future[Outcome]) -> None:
+    def add(self, p: Pending) -> None:
         """Take one call (on the batcher's loop). Identical calls get distinct keys by their
         order of arrival, so n samples of one prompt keep n results across a resume."""
+        call = p.call
         if self.closed:
-            settle(fut, BatchifyClosedError("this batchify scope is closed"))
+            settle([(p, BatchifyClosedError("this batchify scope is closed"))])
             return
         ordinal = self._ordinals.get(call.fingerprint, 0)
         self._ordinals[call.fingerprint] = ordinal + 1
         call.key = f"{call.fingerprint}:{ordinal}"
         self.stats.calls += 1
-        self._lookups.append(Pending(call, fut))
+        self._lookups.append(p)
         if len(self._lookups) == 1:
             self._spawn(self._lookup())
 
@@ -179,9 +179,11 @@ class Batcher:
             created_at=time.time(),
         )
         if self.dry_run:
+            replies = []
             for i, p in enumerate(q.items):
                 body = adapter.dry_run_body(intent.endpoint, p.call.body, custom_id(intent.tag, i))
-                settle(p.future, json_outcome(200, body, {"x-shoal-dry-run": "1"}))
+                replies.append((p, json_outcome(200, body, {"x-shoal-dry-run": "1"})))
+            settle(replies)
             log.info("dry run: %d %s requests would form one batch", intent.n, intent.endpoint)
             return
         self.stats.batches += 1

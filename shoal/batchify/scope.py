@@ -22,7 +22,7 @@ import httpx
 from shoal.batchify import transport
 from shoal.batchify.adapters import to_call
 from shoal.batchify.cache import DEFAULT_MAX_AGE_S, Cache, default_cache_path
-from shoal.batchify.calls import Call, Outcome
+from shoal.batchify.calls import Call, Outcome, Pending, settle
 from shoal.batchify.errors import BatchifyClosedError
 from shoal.batchify.jobs import FaultHook
 from shoal.batchify.progress import make_progress
@@ -94,18 +94,44 @@ class Batchify:
         self._token: Token[Batchify | None] | None = None
         self._closed = False
         self._entered = False
+        self._inbox: list[Pending] = []
+        self._inbox_lock = threading.Lock()
 
     # -- what the transport hook calls -----------------------------------------------------
     def intercept(self, request: Any) -> Call | None:
         return to_call(request)
 
     def submit(self, call: Call) -> Future[Outcome]:
+        """For a sync caller, which blocks on the returned future."""
         fut: Future[Outcome] = Future()
-        if self._closed or self._loop is None or self._batcher is None:
-            fut.set_exception(BatchifyClosedError("this batchify scope is closed"))
-        else:
-            self._loop.call_soon_threadsafe(self._batcher.add, call, fut)
+        self._post(Pending(call, fut))
         return fut
+
+    def submit_async(self, call: Call) -> asyncio.Future[Outcome]:
+        """For an async caller: a future of its own loop, resolved from the batcher's."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Outcome] = loop.create_future()
+        self._post(Pending(call, fut, loop))
+        return fut
+
+    def _post(self, p: Pending) -> None:
+        """Hand a call to the batcher's thread, waking it once per burst of calls."""
+        loop = self._loop
+        if self._closed or loop is None:
+            settle([(p, BatchifyClosedError("this batchify scope is closed"))])
+            return
+        with self._inbox_lock:
+            self._inbox.append(p)
+            wake = len(self._inbox) == 1
+        if wake:
+            loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._inbox_lock:
+            pending, self._inbox = self._inbox, []
+        assert self._batcher is not None
+        for p in pending:
+            self._batcher.add(p)
 
     # -- figures ---------------------------------------------------------------------------
     @property

@@ -29,6 +29,8 @@ class Interceptor(Protocol):
 
     def submit(self, call: Call) -> Future[Outcome]: ...
 
+    def submit_async(self, call: Call) -> asyncio.Future[Outcome]: ...
+
 
 Resolver = Callable[[], Interceptor | None]
 
@@ -61,7 +63,7 @@ def _async_hook(module: ModuleType, original: Any, resolve: Resolver) -> Any:
             return await original(self, request)
         scope, call = wanted
         try:
-            outcome = await asyncio.wrap_future(scope.submit(call))
+            outcome = await scope.submit_async(call)
         except BatchifyError as e:
             raise for_sdk(e, call.target.adapter) from None
         return _response(module, request, outcome)

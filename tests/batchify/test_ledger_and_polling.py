@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shoal.batchify.cache import Cache, Intent
-from shoal.batchify.poll import Backoff, retry_after_s
+from shoal.batchify.poll import Backoff, Pacer, retry_after_s
 from shoal.batchify.progress import Board, Row
 
 
@@ -53,6 +53,17 @@ def test_backoff_grows_to_its_cap_and_retry_after_wins() -> None:
     assert [b.next_delay() for _ in range(4)] == [1.0, 2.0, 3.0, 3.0]
     assert b.next_delay(retry_after_s=10.0) == 10.0
     assert b.next_delay(retry_after_s=0.5) == 3.0
+
+
+def test_polls_wait_for_the_projected_end_once_progress_shows() -> None:
+    pacer = Pacer(Backoff(1.0, 300.0, factor=1.5))
+    assert pacer.next_delay(done=0, total=1000, now=0.0) == 1.0
+    assert pacer.next_delay(done=0, total=1000, now=1.0) == 1.5  # no progress yet
+    # 100 done in 10 s: 900 more take about 90 s.
+    assert pacer.next_delay(done=100, total=1000, now=10.0) == pytest.approx(90.0)
+    late = Pacer(Backoff(1.0, 30.0))
+    late.next_delay(0, 1000, now=0.0)
+    assert late.next_delay(1, 1000, now=10.0) == 30.0  # never past the cap
 
 
 def test_retry_after_forms() -> None:
