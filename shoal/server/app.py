@@ -24,6 +24,8 @@ from fastapi import FastAPI
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.llm_engine import Engine
 from shoal.server import batches, files, routes
+from shoal.server.anthropic import batches as anthropic_batches
+from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_runner import BatchRunner
 from shoal.server.datadir import DataDirBusyError, DataDirLock
 from shoal.server.errors import install_handlers
@@ -89,12 +91,15 @@ def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
         title="shoal",
         version="0.1.0",
         lifespan=lifespan,
-        description="OpenAI-compatible completions, chat and Batch API.",
+        description="OpenAI-compatible completions, chat and Batch API; Anthropic Messages and "
+        "Message Batches.",
     )
     install_handlers(app)
     app.include_router(routes.router)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(anthropic_messages.router)
+    app.include_router(anthropic_batches.router)
     app.add_middleware(
         Guard,
         api_key=config.api_key,

@@ -23,10 +23,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.errors import error_body, to_api_error
 from shoal.server.formatting import batch_usage
 from shoal.server.ids import new_id
-from shoal.server.jsonl import BatchLine, parse_batch_file, read_chunks
+from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file, read_chunks
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
 from shoal.server.store import Store
@@ -66,6 +67,8 @@ async def execute_line(
     serving: Serving, endpoint: str, body: dict[str, Any], priority: int
 ) -> LineResult:
     """One batch request, answered as the HTTP route would answer it."""
+    if endpoint == MESSAGES:
+        return LineResult(*await anthropic_messages.run_line(serving, body, priority))
     try:
         if endpoint == "/v1/chat/completions":
             req: Any = ChatCompletionRequest.model_validate(body)

@@ -24,7 +24,7 @@ State = Annotated[ServerState, Depends(get_state)]
 WINDOWS = {"24h": 24 * 3600}
 
 
-def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
+def live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
     """Fill in counts of a running batch from the results table."""
     if obj["status"] in ACTIVE and obj.get("request_counts"):
         completed, failed, pt, ct = state.store.result_counts(obj["id"])
@@ -33,11 +33,11 @@ def _live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def _batch(state: ServerState, batch_id: str) -> dict[str, Any]:
+def get_live(state: ServerState, batch_id: str) -> dict[str, Any]:
     obj = state.store.get_batch(batch_id)
     if obj is None:
         raise not_found("batch", batch_id, "batch_id")
-    return _live(state, obj)
+    return live(state, obj)
 
 
 @router.post("/v1/batches")
@@ -56,15 +56,29 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
         raise not_found("file", req.input_file_id, "input_file_id")
     if f["purpose"] != "batch":
         raise APIError(400, "the input file must have purpose 'batch'", param="input_file_id")
+    return start_batch(state, req.endpoint, req.input_file_id, req.metadata)
+
+
+def start_batch(
+    state: ServerState,
+    endpoint: str,
+    input_file_id: str,
+    metadata: dict[str, str] | None,
+    *,
+    id_prefix: str = "batch_",
+    total: int = 0,
+) -> dict[str, Any]:
+    """Record a new batch over a stored input file and hand it to the runner (the OpenAI
+    Batch API and Anthropic's Message Batches both start here)."""
     now = int(time.time())
-    window = state.config.batch_window_s or WINDOWS[req.completion_window]
+    window = state.config.batch_window_s or WINDOWS["24h"]
     obj: dict[str, Any] = {
-        "id": new_id("batch_"),
+        "id": new_id(id_prefix),
         "object": "batch",
-        "endpoint": req.endpoint,
+        "endpoint": endpoint,
         "errors": None,
-        "input_file_id": req.input_file_id,
-        "completion_window": req.completion_window,
+        "input_file_id": input_file_id,
+        "completion_window": "24h",
         "status": BatchStatus.VALIDATING,
         "output_file_id": None,
         "error_file_id": None,
@@ -77,8 +91,8 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
         "expired_at": None,
         "cancelling_at": None,
         "cancelled_at": None,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "metadata": req.metadata,
+        "request_counts": {"total": total, "completed": 0, "failed": 0},
+        "metadata": metadata,
         "model": None,
         "usage": None,
     }
@@ -89,7 +103,7 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
 
 @router.get("/v1/batches/{batch_id}")
 async def get_batch(state: State, batch_id: str) -> dict[str, Any]:
-    return _batch(state, batch_id)
+    return get_live(state, batch_id)
 
 
 @router.get("/v1/batches")
@@ -98,21 +112,26 @@ async def list_batches(
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
-    data, has_more = state.store.list_batches(after=after, limit=limit)
-    data = [_live(state, b) for b in data]
+    data, has_more = state.store.list_batches(after=after, limit=limit, endpoints=ENDPOINTS)
+    data = [live(state, b) for b in data]
     return list_page(data, has_more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
 async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
-    obj = _batch(state, batch_id)
+    obj = get_live(state, batch_id)
     status = BatchStatus(obj["status"])
     if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return obj
     if status in TERMINAL or status is BatchStatus.FINALIZING:
         raise APIError(400, f"cannot cancel a batch whose status is {status}", param="batch_id")
+    request_cancel(state, batch_id)
+    return get_live(state, batch_id)
+
+
+def request_cancel(state: ServerState, batch_id: str) -> None:
+    """Mark a running batch `cancelling`; the runner stops it and finalizes it `cancelled`."""
     state.store.update_batch(
         batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time())
     )
     state.runner.cancel(batch_id)
-    return _batch(state, batch_id)

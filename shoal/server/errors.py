@@ -21,6 +21,7 @@ from shoal.errors import (
     QueueFullError,
     ShoalError,
 )
+from shoal.server.anthropic.formatting import error_body as anthropic_error_body
 
 log = logging.getLogger("shoal.server")
 
@@ -66,8 +67,19 @@ def error_body(
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(err: APIError) -> JSONResponse:
-    return JSONResponse(err.body(), status_code=err.status, headers=err.headers)
+ANTHROPIC_PREFIX = "/v1/messages"  # every error under it leaves in Anthropic's shape
+
+
+def body_for(path: str, status: int, message: str, **openai_fields: Any) -> dict[str, Any]:
+    """The error body a client of `path` expects: Anthropic's or OpenAI's."""
+    if path.startswith(ANTHROPIC_PREFIX):
+        return anthropic_error_body(status, message)
+    return error_body(status, message, **openai_fields)
+
+
+def error_response(err: APIError, path: str = "") -> JSONResponse:
+    body = body_for(path, err.status, err.message, param=err.param, code=err.code)
+    return JSONResponse(body, status_code=err.status, headers=err.headers)
 
 
 def to_api_error(e: BaseException) -> APIError:
@@ -104,30 +116,31 @@ def _loc(err: dict[str, Any]) -> str:
 
 
 def install_handlers(app: FastAPI) -> None:
-    async def api_error(_: Request, exc: Exception) -> JSONResponse:
-        return error_response(to_api_error(exc))
+    async def api_error(request: Request, exc: Exception) -> JSONResponse:
+        return error_response(to_api_error(exc), request.url.path)
 
-    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+    async def validation_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, RequestValidationError)
         errors = list(exc.errors())
         if any(e.get("type") == "json_invalid" for e in errors):
             detail = errors[0].get("ctx", {}).get("error", "invalid JSON")
             message = f"We could not parse the JSON body of your request: {detail}"
-            return error_response(APIError(400, message))
+            return error_response(APIError(400, message), request.url.path)
         first = errors[0] if errors else {}
         param = _loc(first) or None
         message = "; ".join(f"{_loc(e) or 'body'}: {e.get('msg', 'invalid')}" for e in errors[:5])
         # Bad bodies, queries and paths are all 400s, as with OpenAI.
-        return error_response(APIError(400, message or "invalid request", param=param))
+        err = APIError(400, message or "invalid request", param=param)
+        return error_response(err, request.url.path)
 
-    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+    async def http_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, StarletteHTTPException)
         err = APIError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {}))
-        return error_response(err)
+        return error_response(err, request.url.path)
 
-    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return error_response(to_api_error(exc))
+        return error_response(to_api_error(exc), request.url.path)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(ShoalError, api_error)

@@ -13,7 +13,9 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what /v1/batches accepts
+MESSAGES = "/v1/messages"  # Anthropic Message Batches, run by the same runner
+RUNNABLE = (*ENDPOINTS, MESSAGES)
 CHUNK = 1 << 20
 
 
@@ -50,7 +52,7 @@ class BatchFileChecker:
     """Feed it a file's lines in order; it keeps the errors (and, if asked, the lines)."""
 
     max_lines: int
-    endpoint: str | None = None  # when set, each line's `url` must equal it
+    endpoint: str | None = None  # when set (a created batch), each line's `url` must equal it
     errors: list[dict[str, Any]] = field(default_factory=list)
     num_lines: int = 0
     _seen: set[str] = field(default_factory=set)
@@ -106,7 +108,7 @@ class BatchFileChecker:
         body = obj.get("body")
         if obj.get("method", "POST") != "POST":
             self._fail(no, "invalid_method", "method must be POST", "method")
-        elif url not in ENDPOINTS:
+        elif not isinstance(url, str) or url not in (RUNNABLE if self.endpoint else ENDPOINTS):
             self._fail(no, "invalid_url", f"url must be one of {', '.join(ENDPOINTS)}", "url")
         elif self.endpoint is not None and url != self.endpoint:
             msg = f"url {url!r} differs from the batch endpoint {self.endpoint!r}"

@@ -1,4 +1,5 @@
-"""ASGI middleware: Bearer auth (constant-time), body-size limits, 503 while shutting down.
+"""ASGI middleware: API-key auth (constant-time; `Authorization: Bearer` or Anthropic's
+`x-api-key`), body-size limits, 503 while shutting down.
 
 Plain ASGI rather than FastAPI dependencies, so these checks run before any body is read or
 parsed: an unauthorized or oversized request costs no memory, and a request arriving during
@@ -13,9 +14,10 @@ import json
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shoal.server.errors import error_body
+from shoal.server.errors import body_for
 
 OPEN_PATHS = ("/health", "/metrics")
+UPLOAD_PATHS = ("/v1/files", "/v1/messages/batches")  # bodies under the upload limit
 
 
 class _BodyTooLarge(HTTPException):
@@ -25,8 +27,10 @@ class _BodyTooLarge(HTTPException):
         super().__init__(413, f"the request body exceeds {limit} bytes")
 
 
-async def _send_error(send: Send, status: int, message: str, headers: dict[str, str]) -> None:
-    body = json.dumps(error_body(status, message)).encode()
+async def _send_error(
+    send: Send, scope: Scope, status: int, message: str, headers: dict[str, str]
+) -> None:
+    body = json.dumps(body_for(scope["path"], status, message)).encode()
     raw = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     raw += [(k.lower().encode(), v.encode()) for k, v in headers.items()]
     await send({"type": "http.response.start", "status": status, "headers": raw})
@@ -57,11 +61,14 @@ class Guard:
     def _authorized(self, scope: Scope) -> bool:
         if self.key is None or scope["path"] in OPEN_PATHS:
             return True
-        header = b""
+        header, api_key = b"", None
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 header = v
-                break
+            elif k == b"x-api-key":  # Anthropic's SDKs send the key here
+                api_key = v
+        if api_key is not None:
+            return hmac.compare_digest(api_key.strip(), self.key)
         scheme, _, token = header.partition(b" ")
         # Compare in constant time whatever the input (a wrong scheme compares too).
         ok = hmac.compare_digest(token.strip(), self.key)
@@ -72,17 +79,17 @@ class Guard:
             await self.app(scope, receive, send)
             return
         if self._shutting_down(scope) and scope["path"] != "/metrics":
-            await _send_error(send, 503, "the server is shutting down", {"Retry-After": "5"})
+            await _send_error(send, scope, 503, "the server is shutting down", {"Retry-After": "5"})
             return
         if not self._authorized(scope):
             await _send_error(
-                send, 401, "Incorrect API key provided.", {"WWW-Authenticate": "Bearer"}
+                send, scope, 401, "Incorrect API key provided.", {"WWW-Authenticate": "Bearer"}
             )
             return
-        limit = self.max_upload if scope["path"] == "/v1/files" else self.max_body
+        limit = self.max_upload if scope["path"] in UPLOAD_PATHS else self.max_body
         for k, v in scope.get("headers", []):
             if k == b"content-length" and v.isdigit() and int(v) > limit:
-                await _send_error(send, 413, f"the request body exceeds {limit} bytes", {})
+                await _send_error(send, scope, 413, f"the request body exceeds {limit} bytes", {})
                 return
         seen = 0
         started = False
@@ -106,4 +113,4 @@ class Guard:
             await self.app(scope, counted_receive, tracked_send)
         except _BodyTooLarge:
             if not started:
-                await _send_error(send, 413, f"the request body exceeds {limit} bytes", {})
+                await _send_error(send, scope, 413, f"the request body exceeds {limit} bytes", {})

@@ -37,7 +37,7 @@ T = TypeVar("T")
 _STARTED = int(time.time())
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """Closes its body generator however the response ends, so a client that disconnects
     aborts its request at once rather than when the generator is garbage-collected."""
 
@@ -50,7 +50,7 @@ class _SSEResponse(StreamingResponse):
                 await aclose()
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """Run `work`; if the client goes away first, cancel it (aborting its requests)."""
     task = asyncio.ensure_future(work)
 
@@ -74,12 +74,12 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
 async def _serve(request: Request, srv: Serving, prep: Prepared, stream: bool) -> Response:
     if stream:
         gen, first = await start_stream(srv, prep)
-        return _SSEResponse(
+        return SSEResponse(
             stream_sse(srv, prep, gen, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await _unless_disconnected(request, respond(srv, prep))
+    body = await unless_disconnected(request, respond(srv, prep))
     if body is None:
         return Response(status_code=499)
     return JSONResponse(body)

@@ -166,15 +166,37 @@ class Store:
                 raise
         return obj
 
-    def list_batches(self, *, after: str | None, limit: int) -> tuple[list[dict[str, Any]], bool]:
-        sql, args = "SELECT obj FROM batches", list[Any]()
+    def list_batches(
+        self,
+        *,
+        after: str | None = None,
+        before: str | None = None,
+        limit: int,
+        endpoints: tuple[str, ...] | None = None,
+    ) -> tuple[list[dict[str, Any]], bool]:
+        """Newest first: those older than `after`, or the `limit` just newer than `before`;
+        only batches of `endpoints` when given (OpenAI and Anthropic lists stay apart)."""
+        where, args = ["1=1"], list[Any]()
+        if endpoints:
+            where.append(f"json_extract(obj, '$.endpoint') IN ({','.join('?' * len(endpoints))})")
+            args += endpoints
         if after:
-            sql += " WHERE seq < (SELECT seq FROM batches WHERE id = ?)"
+            where.append("seq < (SELECT seq FROM batches WHERE id = ?)")
             args.append(after)
-        sql += " ORDER BY seq DESC LIMIT ?"
-        args.append(limit + 1)
-        rows = self._q(sql, tuple(args))
-        return [json.loads(r["obj"]) for r in rows[:limit]], len(rows) > limit
+        if before:
+            where.append("seq > (SELECT seq FROM batches WHERE id = ?)")
+            args.append(before)
+        order = "ASC" if before and not after else "DESC"
+        sql = f"SELECT obj FROM batches WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
+        rows = self._q(sql, (*args, limit + 1))
+        page = [json.loads(r["obj"]) for r in rows[:limit]]
+        return (page[::-1] if order == "ASC" else page), len(rows) > limit
+
+    def delete_batch(self, batch_id: str) -> None:
+        """Forget a finished batch and its results (its files are the caller's to delete)."""
+        with self._lock:
+            self._db.execute("DELETE FROM results WHERE batch_id = ?", (batch_id,))
+            self._db.execute("DELETE FROM batches WHERE id = ?", (batch_id,))
 
     def batch_ids(self, statuses: Iterable[str]) -> list[str]:
         """Batches in one of `statuses`, oldest first."""
