@@ -147,7 +147,6 @@ async def main_async(args: argparse.Namespace, url: str, model: str, cache: Path
         "batch_size": args.num_calls,
         "window_s": 5.0,
         "poll_interval_s": args.poll_interval_s,
-        "max_poll_interval_s": 60.0,
         "live_progress": False,
     }
     await measure("sdk alone", url, model, args)  # warm-up: the SDK's lazy imports
