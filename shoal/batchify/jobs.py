@@ -137,8 +137,7 @@ class Job:
             await self._finish(batch_id, results, first_delay=False)
         except BaseException as e:
             self._fail(e)
-            if not isinstance(e, Exception):
-                raise
+            raise
 
     async def cancel(self) -> None:
         """Cancel the provider batch (best effort); every waiting caller gets an error."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 import sqlite3
 import time
 from datetime import UTC, datetime, timedelta
@@ -9,10 +11,11 @@ from email.utils import format_datetime
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from shoal.batchify.cache import Cache, Intent
 from shoal.batchify.poll import Backoff, Pacer, retry_after_s
-from shoal.batchify.progress import Board, Row
+from shoal.batchify.progress import Board, LiveProgress, Row, make_progress
 
 
 def _intent(tag: str, created_at: float, batch_id: str | None = None) -> Intent:
@@ -74,6 +77,28 @@ def test_retry_after_forms() -> None:
     assert retry_after_s({"retry-after": later}, now=now.timestamp()) == pytest.approx(30)
     assert retry_after_s({"retry-after": "soon"}) is None
     assert retry_after_s({}) is None
+
+
+def test_progress_logs_state_changes_and_renders_a_live_table(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plain = make_progress(live=False)
+    plain.batch("t", "openai /v1/chat/completions", 4)
+    with caplog.at_level(logging.INFO, logger="shoal.batchify"):
+        plain.update("t", state="submitted", batch_id="batch_9")
+        plain.update("t", state="submitted", done=1)  # no state change: no line
+        plain.update("t", state="done", done=4)
+    assert [r.getMessage().split(": ")[-1] for r in caplog.records] == ["submitted 0/4", "done 4/4"]
+    live = make_progress(live=True)
+    assert isinstance(live, LiveProgress)
+    live.queued(2)
+    live.batch("t", "anthropic /v1/messages", 3)
+    live.update("t", state="in progress", batch_id="msgbatch_1", done=1)
+    console = Console(record=True, width=120, file=io.StringIO())
+    console.print(live._render())
+    live.close()
+    text = console.export_text()
+    assert "2 queued" in text and "msgbatch_1" in text and "in progress" in text
 
 
 def test_progress_never_goes_backwards() -> None:
