@@ -4,7 +4,8 @@ A `shoal serve` runs in a subprocess on 127.0.0.1. The same unmodified `openai.A
 code runs four ways: direct (one HTTP request per call), inside `batchify()` (the calls
 travel as one Batch API job), inside `batchify(dry_run=True)` (no server work: SDK plus
 interception, queueing and replies), and through a no-op transport outside any scope (the SDK
-alone). Dry run minus SDK alone is the library's own client cost per call. Each way against
+alone). Dry run minus SDK alone (medians of `--rounds` alternating rounds) is the library's
+own client cost per call. Each way against
 the server gets its own prompts, so the server's prefix cache favours none.
 
     .venv/bin/python benchmarks/batchify_overhead.py            # bundled SmolLM2, 1,000 calls
@@ -149,13 +150,21 @@ async def main_async(args: argparse.Namespace, url: str, model: str, cache: Path
         "poll_interval_s": args.poll_interval_s,
         "live_progress": False,
     }
+    dry_scope = {**scope, "window_s": 0.0}
     await measure("sdk alone", url, model, args)  # warm-up: the SDK's lazy imports
-    return [
-        await measure("direct", url, model, args),
-        await measure("batchify", url, model, args, cache_path=cache, **scope),
-        await measure("dry run", url, model, args, dry_run=True, **{**scope, "window_s": 0.0}),
-        await measure("sdk alone", url, model, args),
-    ]
+    direct = await measure("direct", url, model, args)
+    batched = await measure("batchify", url, model, args, cache_path=cache, **scope)
+    # The client-only ways take seconds and a shared machine is noisy: alternate them for
+    # `--rounds` rounds and keep each one's median round.
+    dry, sdk = [], []
+    for _ in range(args.rounds):
+        dry.append(await measure("dry run", url, model, args, dry_run=True, **dry_scope))
+        sdk.append(await measure("sdk alone", url, model, args))
+    return [direct, batched, median(dry), median(sdk)]
+
+
+def median(runs: list[Run]) -> Run:
+    return sorted(runs, key=lambda r: r.cpu_s)[len(runs) // 2]
 
 
 def main() -> None:
@@ -165,6 +174,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=1)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--poll-interval-s", type=float, default=1.0)
+    p.add_argument("--rounds", type=int, default=5, help="rounds of the client-only ways")
     args = p.parse_args()
     print(cpu_line())
     port = free_port()

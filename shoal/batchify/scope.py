@@ -145,6 +145,12 @@ class Batchify:
 
     # -- life cycle ------------------------------------------------------------------------
     def open(self) -> Batchify:
+        self._start()
+        self._activate()
+        return self
+
+    def _start(self) -> None:
+        """Open the ledger (blocking I/O) and start the batcher's loop thread."""
         if self._loop is not None or self._closed:
             raise BatchifyClosedError("a batchify scope opens once")
         if self.cache_path is not None:
@@ -165,11 +171,13 @@ class Batchify:
         )
         self._thread = threading.Thread(target=loop.run_forever, name="shoal-batchify", daemon=True)
         self._thread.start()
+
+    def _activate(self) -> None:
+        """In the caller's context: calls from here on are intercepted."""
         transport.install(current_scope)
         self._token = _ACTIVE.set(self)
         if self.process_wide:
             _PROCESS_WIDE.append(self)
-        return self
 
     def _close_future(self, cancel: bool) -> Future[None]:
         assert self._loop is not None and self._batcher is not None
@@ -245,7 +253,8 @@ class Batchify:
             self._deactivate()
 
     async def __aenter__(self) -> Batchify:
-        self.open()
+        await asyncio.to_thread(self._start)  # the ledger opens off the caller's event loop
+        self._activate()
         self._entered = True
         return self
 
