@@ -29,9 +29,11 @@ def w1_workload(vocab_size: int, num_requests: int = 64, max_tokens: int = 128) 
 
 def run_w1(model: str | None = None, dtype: str = "float32", num_requests: int = 64) -> float:
     """Run W1 on shoal and print output tokens per second; returns it."""
+    from shoal.engine.llm_engine import Engine
     from shoal.llm import LLM
 
     llm = LLM(model, dtype=dtype)
+    assert isinstance(llm.engine, Engine)  # W1 measures the torch engine
     work = w1_workload(llm.engine.model_config.vocab_size, num_requests)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     start = time.perf_counter()

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from shoal.batchify.cli import add_arguments as batchify_arguments
-from shoal.config import EngineConfig, GiB
+from shoal.config import BACKENDS, EngineConfig, GiB
 from shoal.sampling_params import SamplingParams
 
 
@@ -32,10 +32,20 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cache-dir", default=None, help="where session KV persists across restarts")
 
 
+def _backend_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--backend",
+        default=EngineConfig().backend,
+        choices=BACKENDS,
+        help="engine: torch, or mlx (pip install 'shoal[mlx]'; .gguf models)",
+    )
+
+
 def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
     """The `EngineConfig` the engine flags describe: every flag reaches the engine."""
     return EngineConfig(
         model=args.model,
+        backend=args.backend,
         dtype=args.dtype,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
@@ -120,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     _engine_args(gen)
+    _backend_arg(gen)
     gen.set_defaults(func=_generate)
 
     bench = sub.add_parser("bench", help="run workload W1 (64 requests) and print throughput")
@@ -137,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
     )
     _engine_args(serve)
+    _backend_arg(serve)
     serve.set_defaults(func=_serve)
 
     bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")

@@ -9,6 +9,7 @@ from pathlib import Path
 from shoal.errors import InvalidRequestError
 
 GiB = 1 << 30
+BACKENDS = ("torch", "mlx")
 
 
 def cache_root() -> Path:
@@ -23,9 +24,14 @@ class EngineConfig:
 
     `kv_cache_bytes` is turned into a block count once the model's per-token KV size is known;
     `num_blocks` overrides it (tests use tiny pools to force preemption).
+
+    `backend` picks the engine: "torch" (shoal's paged-attention engine) or "mlx" (design
+    input 001's block pool around mlx-lm's `BatchGenerator`, `pip install 'shoal[mlx]'`; it
+    loads .gguf files, runs on MLX's default device and has no cross-request prefix cache).
     """
 
     model: str | None = None
+    backend: str = "torch"
     dtype: str = "float32"
     device: str = "cpu"
     block_size: int = 16
@@ -44,6 +50,8 @@ class EngineConfig:
     disk_cache_bytes: int = 16 * GiB
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise InvalidRequestError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
         if self.block_size <= 0:
             raise InvalidRequestError("block_size must be positive")
         if self.max_num_seqs <= 0 or self.max_num_batched_tokens <= 0:

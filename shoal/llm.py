@@ -8,7 +8,7 @@ from typing import Any
 from rich.progress import Progress
 
 from shoal.config import EngineConfig
-from shoal.engine.llm_engine import Engine
+from shoal.engine.protocol import EngineProtocol, create_engine
 from shoal.engine.sessions import SessionInfo
 from shoal.engine.stats import EngineStats
 from shoal.errors import InvalidRequestError
@@ -23,7 +23,7 @@ SessionIds = str | Sequence[str | None] | None
 class Sessions:
     """`llm.sessions`: list, inspect and drop agent sessions (in memory and on disk)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineProtocol) -> None:
         self._engine = engine
 
     def list(self) -> list[SessionInfo]:
@@ -61,22 +61,30 @@ class LLM:
     """Load a model and generate for many prompts at once with continuous batching.
 
     `model=None` loads the bundled SmolLM2-135M-Instruct; otherwise an HF folder or a .gguf path.
+    `backend="mlx"` runs it on the MLX backend (`pip install 'shoal[mlx]'`; .gguf files only).
     `cache_dir` keeps agent sessions' KV on disk across restarts; `close()` (or leaving a `with`
-    block) saves what is unsaved.
+    block) saves what is unsaved. Other keywords are `EngineConfig` fields.
     """
 
     def __init__(
         self,
         model: str | None = None,
         *,
+        backend: str = "torch",
         dtype: str = "float32",
         block_size: int = 16,
         cache_dir: str | None = None,
         **kw: Any,
     ) -> None:
-        self.engine = Engine(
-            EngineConfig(model=model, dtype=dtype, block_size=block_size, cache_dir=cache_dir, **kw)
+        config = EngineConfig(
+            model=model,
+            backend=backend,
+            dtype=dtype,
+            block_size=block_size,
+            cache_dir=cache_dir,
+            **kw,
         )
+        self.engine: EngineProtocol = create_engine(config)
         self.sessions = Sessions(self.engine)
 
     @property

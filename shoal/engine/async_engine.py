@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from shoal.engine.llm_engine import Engine
+from shoal.engine.protocol import EngineProtocol
 from shoal.errors import EngineClosedError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ _Listener = tuple[asyncio.AbstractEventLoop, "asyncio.Queue[RequestOutput | Base
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineProtocol) -> None:
         self.engine = engine
         self._listeners: dict[str, _Listener] = {}
         self._calls: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]]] = queue.SimpleQueue()

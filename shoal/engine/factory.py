@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.detokenizer import Detokenizer
@@ -82,7 +84,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             max_model_len,
             num_blocks,
             config.block_size,
-            config.device,
+            seeded=lambda seed: torch.Generator(config.device).manual_seed(seed),
         ),
         outputs=OutputProcessor(
             Detokenizer(loaded.tokenizer), set(cfg.eos_token_ids), max_model_len

@@ -7,6 +7,7 @@ can see it and the step loop only ever meets valid requests.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from typing import Any
 
 from shoal.engine.block_pool import cdiv
@@ -35,6 +36,9 @@ def longest_token_bytes(tokenizer: Any) -> int:
 
 
 class InputProcessor:
+    """`seeded(seed)` makes a seeded request's random state in its backend's terms (a
+    `torch.Generator`, an MLX key); it lands in `Sequence.generator`."""
+
     def __init__(
         self,
         tokenizer: Any,
@@ -42,14 +46,14 @@ class InputProcessor:
         max_model_len: int,
         num_blocks: int,
         block_size: int,
-        device: str,
+        seeded: Callable[[int], Any],
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.device = device
+        self.seeded = seeded
         self._ids = itertools.count()
         self.max_prompt_bytes = (
             max_model_len * longest_token_bytes(tokenizer) if tokenizer is not None else 0
@@ -123,7 +127,5 @@ class InputProcessor:
             prompt=prompt if isinstance(prompt, str) else None,
         )
         if params.seed is not None:
-            import torch  # here, so that torch-free backends can share the checks above
-
-            seq.generator = torch.Generator(self.device).manual_seed(params.seed)
+            seq.generator = self.seeded(params.seed)
         return seq

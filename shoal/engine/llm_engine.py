@@ -183,33 +183,19 @@ class Engine:
 
     def list_sessions(self) -> list[SessionInfo]:
         """Every session held in memory or on disk, most recently used first."""
-        infos = [self.sessions.info(s) for s in self.sessions]
-        return sorted(infos, key=lambda i: -i.last_used)
+        return self.sessions.infos()
 
     def session_info(self, session_id: str) -> SessionInfo | None:
-        session = self.sessions.get(session_id)
-        return self.sessions.info(session) if session is not None else None
+        return self.sessions.info_of(session_id)
 
     def stats(self) -> EngineStats:
-        pool = self.pool
-        ss = self.sessions.stats
-        return EngineStats(
+        return EngineStats.collect(
+            self.kv,
+            self.sessions,
+            self.bytes_per_block,
             step_id=self.scheduler.step_id,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
-            blocks_used=pool.num_used,
-            blocks_free=pool.num_free,
-            kv_bytes_used=pool.num_used * self.bytes_per_block,
-            kv_usage_ratio=pool.num_used / pool.num_blocks,
-            prefix_cache_hit_rate=self.kv.prefix_stats.hit_rate,
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
-            num_sessions=len(self.sessions),
-            session_hits=ss.hits,
-            session_tokens_reused=ss.tokens_reused,
-            session_tokens_recomputed=ss.tokens_recomputed,
-            disk_reads=ss.disk_reads,
-            disk_writes=ss.disk_writes,
-            restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
-            restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
         )

@@ -6,7 +6,8 @@ import numpy as np
 import torch
 
 from shoal.engine.host_memory import keep_freed_memory
-from shoal.engine.sampler import Sampled, sample
+from shoal.engine.output_processor import Sampled
+from shoal.engine.sampler import sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
 from shoal.layers.attention import AttentionMetadata, PrefillChunk

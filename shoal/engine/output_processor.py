@@ -2,10 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from shoal.engine.detokenizer import Detokenizer
-from shoal.engine.sampler import Sampled
 from shoal.engine.sequence import Sequence
 from shoal.outputs import RequestOutput
+
+
+@dataclass(slots=True)
+class Sampled:
+    """What a backend's sampler picked for each sequence of a step (plain data, no tensors)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
 
 
 class OutputProcessor:

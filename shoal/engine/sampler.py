@@ -2,18 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from shoal.engine.output_processor import Sampled
 from shoal.engine.sequence import Sequence
-
-
-@dataclass(slots=True)
-class Sampled:
-    token_ids: list[int]
-    logprobs: list[float] | None
-    top_logprobs: list[dict[int, float]] | None
 
 
 def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:

@@ -168,6 +168,14 @@ class SessionManager:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
+    def infos(self) -> list[SessionInfo]:
+        """Every session held in memory or on disk, most recently used first."""
+        return sorted((self.info(s) for s in self._sessions.values()), key=lambda i: -i.last_used)
+
+    def info_of(self, session_id: str) -> SessionInfo | None:
+        session = self._sessions.get(session_id)
+        return self.info(session) if session is not None else None
+
     def info(self, session: Session) -> SessionInfo:
         return SessionInfo(
             session_id=session.session_id,

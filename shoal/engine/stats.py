@@ -8,7 +8,11 @@ of names to keep in step.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from shoal.engine.kv_cache_manager import KVCacheManager
+    from shoal.engine.sessions import SessionManager
 
 Kind = Literal["gauge", "counter"]
 
@@ -39,3 +43,41 @@ class EngineStats:
         "gauge", "Median session restore (disk read, validation, copy into the pool), ms."
     )
     restore_latency_p95_ms: float = _stat("gauge", "95th percentile session restore, ms.")
+
+    @classmethod
+    def collect(
+        cls,
+        kv: KVCacheManager,
+        sessions: SessionManager,
+        bytes_per_block: int,
+        *,
+        step_id: int,
+        num_running: int,
+        num_waiting: int,
+        num_preemptions: int,
+        num_generated_tokens: int,
+    ) -> EngineStats:
+        """The snapshot of any backend: its own counters plus what the shared pool, KV manager
+        and session manager know, read the same way for each."""
+        pool = kv.pool
+        ss = sessions.stats
+        return cls(
+            step_id=step_id,
+            num_running=num_running,
+            num_waiting=num_waiting,
+            blocks_used=pool.num_used,
+            blocks_free=pool.num_free,
+            kv_bytes_used=pool.num_used * bytes_per_block,
+            kv_usage_ratio=pool.num_used / pool.num_blocks,
+            prefix_cache_hit_rate=kv.prefix_stats.hit_rate,
+            num_preemptions=num_preemptions,
+            num_generated_tokens=num_generated_tokens,
+            num_sessions=len(sessions),
+            session_hits=ss.hits,
+            session_tokens_reused=ss.tokens_reused,
+            session_tokens_recomputed=ss.tokens_recomputed,
+            disk_reads=ss.disk_reads,
+            disk_writes=ss.disk_writes,
+            restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
+            restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
+        )

@@ -22,7 +22,7 @@ from types import FrameType
 from fastapi import FastAPI
 
 from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.llm_engine import Engine
+from shoal.engine.protocol import EngineProtocol, create_engine
 from shoal.server import batches, files, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
@@ -38,10 +38,11 @@ from shoal.server.store import Store
 log = logging.getLogger("shoal.server")
 
 
-def build_engine(config: ServerConfig) -> Engine:
-    """The server's engine: its `EngineConfig`, with session KV kept under the data dir."""
+def build_engine(config: ServerConfig) -> EngineProtocol:
+    """The server's engine: its `EngineConfig` (whose `backend` picks torch or MLX), with
+    session KV kept under the data dir."""
     cache_dir = config.engine.cache_dir or str(config.data_dir / "sessions")
-    return Engine(dataclasses.replace(config.engine, cache_dir=cache_dir))
+    return create_engine(dataclasses.replace(config.engine, cache_dir=cache_dir))
 
 
 async def _save_sessions_when_idle(aeng: AsyncEngine, every_s: float) -> None:
@@ -51,7 +52,7 @@ async def _save_sessions_when_idle(aeng: AsyncEngine, every_s: float) -> None:
             await aeng.save_sessions()
 
 
-def create_app(config: ServerConfig, engine: Engine | None = None) -> FastAPI:
+def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> FastAPI:
     """The app; the engine loads at startup unless one is given."""
 
     @asynccontextmanager

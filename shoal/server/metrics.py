@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from shoal.engine.llm_engine import Engine
+    from shoal.engine.protocol import EngineProtocol
     from shoal.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -45,7 +45,7 @@ class _EngineCollector(Collector):
     """Reads `engine.stats()` on each scrape: every field becomes the gauge or counter its
     metadata names; tokens/s is the rate since the previous scrape."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineProtocol) -> None:
         self.engine = engine
         self._last = (time.monotonic(), 0)
 
@@ -72,7 +72,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """One registry per app, so several servers can live in one process (tests)."""
 
-    def __init__(self, engine: Engine, server: dict[str, str] | None = None) -> None:
+    def __init__(self, engine: EngineProtocol, server: dict[str, str] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(engine))
         self.ttft = Histogram(
@@ -104,6 +104,7 @@ class ServerMetrics:
         info.info(
             {
                 "model": engine.model_name,
+                "backend": c.backend,
                 "dtype": c.dtype,
                 "device": c.device,
                 "block_size": str(c.block_size),

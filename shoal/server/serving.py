@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
-from shoal.engine.llm_engine import Engine
+from shoal.engine.protocol import EngineProtocol
 from shoal.errors import InvalidRequestError, PromptTooLongError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
@@ -33,7 +33,7 @@ Prompt = str | list[int]
 class Serving:
     """The engine (for its facts: model, tokenizer, limits), its async front and metrics."""
 
-    engine: Engine
+    engine: EngineProtocol
     aeng: AsyncEngine
     metrics: ServerMetrics
 

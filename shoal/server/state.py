@@ -16,7 +16,7 @@ from fastapi import Request
 from shoal.config import EngineConfig
 
 if TYPE_CHECKING:
-    from shoal.engine.llm_engine import Engine
+    from shoal.engine.protocol import EngineProtocol
     from shoal.server.batch_runner import BatchRunner
     from shoal.server.serving import Serving
     from shoal.server.store import Store
@@ -60,7 +60,7 @@ class ServerState:
     shutting_down: bool = False
 
     @property
-    def engine(self) -> Engine:
+    def engine(self) -> EngineProtocol:
         return self.serving.engine
 
     @property

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from shoal.config import EngineConfig
 from shoal.engine.llm_engine import Engine
-from shoal.engine.sampler import Sampled
+from shoal.engine.output_processor import Sampled
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.errors import PromptTooLongError

@@ -43,10 +43,11 @@ def start_server(
     started: list[LiveServer] = []
 
     def start(engine: dict[str, Any] | None = None, **overrides: Any) -> LiveServer:
-        """A server on the tiny model; `engine` holds `EngineConfig` overrides."""
+        """A server on the tiny model; `engine` holds `EngineConfig` overrides (another
+        `model`, a `backend`...)."""
         overrides.setdefault("data_dir", tmp_path_factory.mktemp("data"))
-        engine_kw = {"num_blocks": NUM_BLOCKS, "max_waiting": 1024, **(engine or {})}
-        engine_config = EngineConfig(model=str(tiny_chat_model), **engine_kw)
+        engine_kw = {"model": str(tiny_chat_model), "num_blocks": NUM_BLOCKS, "max_waiting": 1024}
+        engine_config = EngineConfig(**{**engine_kw, **(engine or {})})
         config = ServerConfig(engine=engine_config, **overrides)
         port = free_port()
         uv = uvicorn.Config(

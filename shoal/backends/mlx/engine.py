@@ -7,17 +7,24 @@ the session files after a restart) and `KVCacheManager` finds the prefix a turn 
 bytes live in `BlockData` (see `kv.py`).
 
 A turn's life: `submit` validates and queues (any thread). `step` (one thread) admits queued
-requests in FIFO order, deferring one whose agent already has a request running (design input
-002), reconstructs the reused prefix once and inserts the rest of the prompt into the
-`BatchGenerator`; every generated token is accounted, taking a new block at each 256-token
+requests in (priority, FIFO) order, deferring one whose agent already has a request running
+(design input 002), reconstructs the reused prefix once and inserts the rest of the prompt into
+the `BatchGenerator`; every generated token is accounted, taking a new block at each 256-token
 boundary; a finished request's cache becomes the agent's blocks. When no block is left for a
 boundary the request ends with `finish_reason="pool_exhausted"`, keeping what it computed.
+
+When a request ends is the torch engine's rule: the shared `OutputProcessor` sees every token
+(EOS, stop token ids, stop strings, `max_tokens`, `max_model_len`). `submit_sequence` and
+`step_sequences` serve `MLXEngine` (`adapter.py`): a request there is a `Sequence` made by the
+shared `InputProcessor`, with any sampling parameters, reported after every token it gains, and
+one without a session leaves no KV behind.
 """
 
 from __future__ import annotations
 
 import itertools
 import threading
+import time
 import warnings
 from collections import deque
 from collections.abc import Iterator
@@ -25,12 +32,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from shoal.backends.mlx.kv import BlockData, ModelCacheSpec, as_caches
+from shoal.backends.mlx.sampling import make_sampler, sampled
 from shoal.engine.block_pool import BlockPool, cdiv
+from shoal.engine.detokenizer import Detokenizer
 from shoal.engine.input_processor import InputProcessor, check_session_id
 from shoal.engine.kv_cache_manager import KVCacheManager
+from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.sequence import Sequence, SequenceStatus
 from shoal.engine.sessions import SessionInfo, SessionManager
 from shoal.errors import (
@@ -72,8 +83,9 @@ class CompletedGeneration:
 class _Request:
     uid: int
     seq: Sequence
-    max_tokens: int
+    report: bool  # a `submit` request: `step` returns its `CompletedGeneration`
     gen_uid: int = -1
+    completion: CompletedGeneration | None = None  # made as it ends: its blocks at that moment
 
 
 class BlockPoolBatchEngine:
@@ -90,7 +102,11 @@ class BlockPoolBatchEngine:
         disk_cap_bytes: int = 8 << 30,
         completion_batch_size: int = 32,
         prefill_batch_size: int = 8,
+        prefill_step_size: int = 2048,
+        stream_text: bool = False,
     ) -> None:
+        """`stream_text` keeps each request's `Sequence.text` current after every token (what
+        streaming and stop strings need); without it text is decoded once, at the end."""
         if pool.block_size != spec.block_tokens:
             raise InvalidRequestError(
                 f"pool blocks of {pool.block_size} tokens, spec blocks of {spec.block_tokens}"
@@ -105,15 +121,19 @@ class BlockPoolBatchEngine:
         self.kv = KVCacheManager(pool, b"", enable_prefix_caching=False, sessions=self.sessions)
         vocab = model.model.embed_tokens.weight.shape[0]
         self.inputs = InputProcessor(
-            tokenizer, vocab, max_model_len, pool.num_blocks, spec.block_tokens, "cpu"
+            tokenizer, vocab, max_model_len, pool.num_blocks, spec.block_tokens, mx.random.key
         )
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
-        self._gen = BatchGenerator(
+        detokenizer = Detokenizer(tokenizer if stream_text else None)
+        self.outputs = OutputProcessor(detokenizer, set(eos), max_model_len)
+        self._gen = BatchGenerator(  # no stop tokens: `self.outputs` decides when a request ends
             model,
-            stop_tokens=[[t] for t in eos],
             completion_batch_size=completion_batch_size,
             prefill_batch_size=prefill_batch_size,
+            prefill_step_size=prefill_step_size,
         )
+        self.step_id = 0
+        self.num_generated_tokens = 0
         self._inbox_lock = threading.Lock()  # submit and cancel: never held across a step
         self._inbox: list[_Request] = []
         self._cancel: set[int] = set()
@@ -164,10 +184,20 @@ class BlockPoolBatchEngine:
                 f"blocks of {self.spec.block_tokens}"
             )
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        return self._queue(Sequence(agent_id, tokens, params, session_id=agent_id), report=True)
+
+    def submit_sequence(self, seq: Sequence) -> int:
+        """Queue a request that `self.inputs.process` validated; returns its uid. Thread-safe.
+
+        Its sampling parameters apply as given; without a `session_id` its KV is freed when it
+        ends. Its progress is reported by `step_sequences`.
+        """
+        return self._queue(seq, report=False)
+
+    def _queue(self, seq: Sequence, report: bool) -> int:
         with self._inbox_lock:
             uid = next(self._uids)
-            seq = Sequence(str(uid), tokens, params, session_id=agent_id)
-            self._inbox.append(_Request(uid, seq, max_tokens))
+            self._inbox.append(_Request(uid, seq, report))
         return uid
 
     def cancel(self, uid: int) -> None:
@@ -180,57 +210,97 @@ class BlockPoolBatchEngine:
     def has_work(self) -> bool:
         return bool(self._inbox or self._waiting or self._running)
 
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._inbox) + len(self._waiting)
+
     def step(self) -> Iterator[CompletedGeneration]:
         """Admit what fits, decode one token for every running request, and return the
         requests that finished. The work is done before this returns, iterated or not."""
         with self._lock:
-            return iter(self._step())
+            return iter([r.completion for r in self._step() if r.completion is not None])
 
-    def _step(self) -> list[CompletedGeneration]:
+    def step_sequences(self, decode: bool = True) -> list[Sequence]:
+        """`step` for `submit_sequence` callers: every request that gained a token or finished
+        (`finish_reason` set), as submitted. `decode=False` only takes in submissions and
+        cancellations, so everything cancelled comes back without another token computed."""
+        with self._lock:
+            return [r.seq for r in self._step(decode)]
+
+    def _step(self, decode: bool = True) -> list[_Request]:
         with self._inbox_lock:
             self._waiting.extend(self._inbox)
             self._inbox.clear()
             cancel, self._cancel = self._cancel, set()
-        done = self._cancel_requested(cancel)
-        self._admit()
-        if self._running:
+        moved = self._cancel_requested(cancel)
+        if decode:
+            self._admit()
+        if decode and self._running:
             _, responses = self._gen.next()
-            for r in responses:
-                req = self._running[r.uid]
-                req.seq.output_token_ids.append(r.token)
-                grown = self.kv.allocate(req.seq, 1)  # its KV is in the cache: account for it
-                if grown:
-                    req.seq.num_computed_tokens += 1
-                if r.finish_reason is not None:
-                    done.append(self._finish(req, r.finish_reason, r.prompt_cache))
-                elif not grown:
-                    caches = self._gen.remove([r.uid], return_prompt_caches=True)[r.uid][0]
-                    done.append(self._finish(req, "pool_exhausted", caches))
-        return done
+            self.step_id += 1
+            moved += self._record(responses)
+        return moved
 
-    def _cancel_requested(self, cancel: set[int]) -> list[CompletedGeneration]:
+    def _record(self, responses: list[Any]) -> list[_Request]:
+        """Give each running request its token; finish those the output processor stops, the
+        generator finished, or the pool cannot extend."""
+        reqs = [self._running[r.uid] for r in responses]
+        seqs = [req.seq for req in reqs]
+        tokens = [r.token for r in responses]
+        stops = self.outputs.process(
+            seqs, sampled(tokens, [r.logprobs for r in responses], seqs), time.monotonic()
+        )
+        stopped = {id(seq): reason for seq, reason in stops}
+        self.num_generated_tokens += len(responses)
+        for req, r in zip(reqs, responses, strict=True):
+            seq = req.seq
+            grown = self.kv.allocate(seq, 1)  # its KV is in the cache: account for it
+            if grown:
+                seq.num_computed_tokens += 1
+            reason = stopped.get(id(seq)) or r.finish_reason
+            if reason is None and not grown:
+                reason = "pool_exhausted"
+                self.outputs.detokenizer.update(seq, finishing=True)  # release held-back text
+            if reason is not None:
+                # The generator hands over the cache of what it finished; the rest leave here.
+                caches = r.prompt_cache if r.finish_reason is not None else self._remove(r.uid)
+                self._finish(req, reason, caches)
+        return reqs
+
+    def _remove(self, gen_uid: int) -> list[Any]:
+        """Take a request out of the generator's batch; its cache."""
+        caches: list[Any] = self._gen.remove([gen_uid], return_prompt_caches=True)[gen_uid][0]
+        return caches
+
+    def _cancel_requested(self, cancel: set[int]) -> list[_Request]:
         done = []
         for uid in cancel:
             for req in [r for r in self._waiting if r.uid == uid]:
                 self._waiting.remove(req)
-                req.seq.status = SequenceStatus.FINISHED
-                done.append(self._completion(req, "abort", []))
+                self._ended(req, "abort")
+                done.append(req)
             for gen_uid, req in list(self._running.items()):
                 if req.uid == uid:
-                    caches = self._gen.remove([gen_uid], return_prompt_caches=True)[gen_uid][0]
-                    done.append(self._finish(req, "abort", caches))
+                    self._finish(req, "abort", self._remove(gen_uid))
+                    done.append(req)
         return done
 
     def _admit(self) -> None:
-        """FIFO admission; a request whose agent is busy waits without holding up the rest."""
+        """(priority, FIFO) admission; a request whose agent is busy waits without holding up
+        the rest."""
         busy = {r.seq.session_id for r in self._running.values()}
-        for req in list(self._waiting):
-            if req.seq.session_id in busy:
+        for req in sorted(self._waiting, key=lambda r: r.seq.priority):  # stable: FIFO within
+            sid = req.seq.session_id
+            if sid is not None and sid in busy:
                 continue
             if not self._allocate(req.seq):
-                return  # keep FIFO: a later request may not jump ahead for memory
+                return  # keep the order: a later request may not jump ahead for memory
             self._waiting.remove(req)
-            busy.add(req.seq.session_id)
+            busy.add(sid)
             self._start(req)
 
     def _allocate(self, seq: Sequence) -> bool:
@@ -262,30 +332,37 @@ class BlockPoolBatchEngine:
         tokens = seq.prompt_token_ids
         (req.gen_uid,) = self._gen.insert(
             [tokens[n:]],
-            max_tokens=[req.max_tokens],
+            max_tokens=[min(seq.params.max_tokens, self.max_model_len - len(tokens))],
             caches=[caches] if caches else None,
             all_tokens=[tokens[:n]],
+            samplers=[make_sampler(seq) or self._gen.sampler],  # greedy: one shared argmax
         )
         seq.num_computed_tokens = seq.num_prompt_tokens
         self._running[req.gen_uid] = req
 
-    def _finish(self, req: _Request, reason: str, caches: list[Any]) -> CompletedGeneration:
-        """Hand the request's computed KV to its agent and free the rest."""
+    def _finish(self, req: _Request, reason: str, caches: list[Any]) -> None:
+        """Hand the request's computed KV to its agent (if it has one) and free the rest."""
         seq = req.seq
         del self._running[req.gen_uid]
         # A request removed mid-prefill holds less than its prompt; an unstarted one, nothing.
         held = caches[0].offset if caches and caches[0].keys is not None else 0
         seq.num_computed_tokens = n = min(seq.num_computed_tokens, held)
-        if n:
+        if n and seq.session_id is not None:
             self.data.put(seq.block_table, [(c.keys, c.values) for c in caches], n)
         self.kv.free(seq, keep=True)
-        seq.status = SequenceStatus.FINISHED
         self.data.sweep(self.pool)
-        return self._completion(req, reason, seq.output_token_ids)
+        self._ended(req, reason)
 
-    def _completion(self, req: _Request, reason: str, tokens: list[int]) -> CompletedGeneration:
+    def _ended(self, req: _Request, reason: str) -> None:
+        req.seq.status = SequenceStatus.FINISHED
+        req.seq.finish_reason = reason
+        if req.report:
+            req.completion = self._completion(req, reason)
+
+    def _completion(self, req: _Request, reason: str) -> CompletedGeneration:
         agent_id = req.seq.session_id
         assert agent_id is not None
+        tokens = req.seq.output_token_ids
         session = self.sessions.get(agent_id)
         blocks = AgentBlocks(
             agent_id,
@@ -319,8 +396,12 @@ class BlockPoolBatchEngine:
 
     def session_info(self, agent_id: str) -> SessionInfo | None:
         with self._lock:
-            session = self.sessions.get(agent_id)
-            return self.sessions.info(session) if session else None
+            return self.sessions.info_of(agent_id)
+
+    def list_sessions(self) -> list[SessionInfo]:
+        """Every agent's session in memory or on disk, most recently used first."""
+        with self._lock:
+            return self.sessions.infos()
 
     def close(self) -> None:
         """Save what a persistent disk tier lacks and stop."""

@@ -1,5 +1,6 @@
 """Fixtures for the MLX backend: a tiny random llama (mlx-lm's own model class) with SmolLM2's
-tokenizer, and engines whose pool is checked whole after every test.
+tokenizer, engines whose pool is checked whole after every test, and a tiny llama GGUF file for
+what loads models by path (`LLM(..., backend="mlx")`, the server).
 
 The tiny model keeps 2,000-token runs within seconds on mlx-cpu; the bundled SmolLM2 is used
 where the real weights matter (`test_smollm2_mlx.py`).
@@ -23,6 +24,7 @@ from shoal.backends.mlx import BlockPoolBatchEngine, ModelCacheSpec
 # isort: split
 import mlx.core as mx
 from mlx.utils import tree_map
+from mlx_helpers import write_tiny_gguf
 from mlx_lm.models import llama
 
 from shoal.engine.block_pool import BlockPool
@@ -57,6 +59,11 @@ def tiny_model() -> llama.Model:
     model.update(tree_map(lambda p: p * 3 if p.ndim == 2 else p, model.parameters()))
     mx.eval(model.parameters())
     return model
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny-llama.gguf")
 
 
 @pytest.fixture
