@@ -1,5 +1,7 @@
-"""The light parts of shoal import on a machine without torch: client libraries and the pure
-engine modules (so property tests, `shoal.batchify` and `shoal.quota` need no model stack)."""
+"""The light parts of shoal import on a machine without torch: client libraries, the pure
+engine modules (so property tests, `shoal.batchify` and `shoal.quota` need no model stack) and
+what callers type against (`LLM`, `AsyncEngine`, `EngineProtocol`), which load a backend only
+when one is asked for. Nothing on the torch path imports MLX."""
 
 from __future__ import annotations
 
@@ -22,6 +24,11 @@ PURE = [
     "shoal.engine.kv_cache_manager",
     "shoal.engine.scheduler",
     "shoal.engine.stats",
+    "shoal.engine.protocol",
+    "shoal.engine.input_processor",
+    "shoal.engine.output_processor",
+    "shoal.engine.async_engine",
+    "shoal.llm",
 ]
 CLIENTS = ["shoal.batchify", "shoal.quota"]
 
@@ -38,7 +45,9 @@ sys.meta_path.insert(0, NoTorch())
 import importlib
 for name in sys.argv[1:]:
     importlib.import_module(name)
-heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "numpy"))
+heavy = sorted(
+    m for m in sys.modules if m.split(".")[0] in ("torch", "transformers", "numpy", "mlx", "mlx_lm")
+)
 assert not heavy, heavy
 print("ok")
 """
@@ -64,3 +73,13 @@ def test_public_names_still_load_lazily() -> None:
         assert "NoSuchThing" in str(e)
     else:
         raise AssertionError("unknown names must raise AttributeError")
+
+
+def test_the_server_and_the_torch_engine_never_import_mlx() -> None:
+    code = (
+        "import sys, shoal.server.app, shoal.engine.llm_engine; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm')))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -217,6 +217,7 @@ def test_queue_full(tiny):
         {"dtype": "int8"},
         {"min_batch_size": 0},
         {"batch_wait_s": -1.0},
+        {"backend": "tpu"},
     ],
 )
 def test_bad_engine_config(kwargs):

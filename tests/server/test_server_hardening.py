@@ -86,6 +86,7 @@ FLAGS = {
     "--no-prefix-caching": (None, ("shoal_engine", "prefix_caching", "false")),
     "--max-waiting": ("7", ("shoal_engine", "max_waiting", "7")),
     "--batch-concurrency": ("2", ("shoal_server", "batch_concurrency", "2")),
+    "--backend": ("torch", ("shoal_engine", "backend", "torch")),
 }
 
 
