@@ -13,11 +13,9 @@ the `BatchGenerator`; every generated token is accounted, taking a new block at 
 boundary; a finished request's cache becomes the agent's blocks. When no block is left for a
 boundary the request ends with `finish_reason="pool_exhausted"`, keeping what it computed.
 
-When a request ends is the torch engine's rule: the shared `OutputProcessor` sees every token
-(EOS, stop token ids, stop strings, `max_tokens`, `max_model_len`). `submit_sequence` and
-`step_sequences` serve `MLXEngine` (`adapter.py`): a request there is a `Sequence` made by the
-shared `InputProcessor`, with any sampling parameters, reported after every token it gains, and
-one without a session leaves no KV behind.
+The shared `OutputProcessor` decides when a request ends, as on torch. `submit_sequence` and
+`step_sequences` serve `MLXEngine` (`adapter.py`): `Sequence`s from the shared `InputProcessor`,
+any sampling parameters, reported after every token; one without a session leaves no KV.
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 
 from shoal.backends.mlx.kv import BlockData, ModelCacheSpec, as_caches
-from shoal.backends.mlx.sampling import make_sampler, sampled
+from shoal.backends.mlx.sampling import make_sampler, sampled, seed_key
 from shoal.engine.block_pool import BlockPool, cdiv
 from shoal.engine.detokenizer import Detokenizer
 from shoal.engine.input_processor import InputProcessor, check_session_id
@@ -105,8 +102,8 @@ class BlockPoolBatchEngine:
         prefill_step_size: int = 2048,
         stream_text: bool = False,
     ) -> None:
-        """`stream_text` keeps each request's `Sequence.text` current after every token (what
-        streaming and stop strings need); without it text is decoded once, at the end."""
+        """`stream_text`: keep `Sequence.text` current after every token (for streaming and
+        stop strings); without it text is decoded once, at the end."""
         if pool.block_size != spec.block_tokens:
             raise InvalidRequestError(
                 f"pool blocks of {pool.block_size} tokens, spec blocks of {spec.block_tokens}"
@@ -121,7 +118,7 @@ class BlockPoolBatchEngine:
         self.kv = KVCacheManager(pool, b"", enable_prefix_caching=False, sessions=self.sessions)
         vocab = model.model.embed_tokens.weight.shape[0]
         self.inputs = InputProcessor(
-            tokenizer, vocab, max_model_len, pool.num_blocks, spec.block_tokens, mx.random.key
+            tokenizer, vocab, max_model_len, pool.num_blocks, spec.block_tokens, seed_key
         )
         eos = eos_token_ids if eos_token_ids is not None else [tokenizer.eos_token_id]
         detokenizer = Detokenizer(tokenizer if stream_text else None)
@@ -271,8 +268,7 @@ class BlockPoolBatchEngine:
                 self._finish(req, reason, caches)
         return reqs
 
-    def _remove(self, gen_uid: int) -> list[Any]:
-        """Take a request out of the generator's batch; its cache."""
+    def _remove(self, gen_uid: int) -> list[Any]:  # out of the generator's batch: its cache
         caches: list[Any] = self._gen.remove([gen_uid], return_prompt_caches=True)[gen_uid][0]
         return caches
 

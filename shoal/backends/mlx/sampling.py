@@ -22,6 +22,12 @@ from shoal.engine.sequence import Sequence
 Sampler = Callable[[mx.array], mx.array]
 
 
+def seed_key(seed: int) -> mx.array:
+    """A request's MLX key. `mx.random.key` takes unsigned 64-bit seeds; callers may pass any
+    int a torch generator takes (the API allows negative ones), so seeds are taken mod 2**64."""
+    return mx.random.key(seed % (1 << 64))
+
+
 def make_sampler(seq: Sequence) -> Sampler | None:
     """The sampler for `seq`'s parameters; None for greedy (the generator's shared one)."""
     p = seq.params

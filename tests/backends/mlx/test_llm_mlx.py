@@ -106,6 +106,8 @@ def test_sampling_parameters_are_honoured(llm: LLM) -> None:
     other = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
     batch = llm.generate(["Paris is", "Rome is"], [seeded, other])
     assert batch[0].token_ids == alone != greedy.token_ids  # its own key, not the batch's
+    for seed in (-(2**63), 2**64 - 1):  # the whole range the API (and torch) accept
+        assert len(llm.generate("Paris", SamplingParams(max_tokens=2, seed=seed))[0].token_ids)
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=3)
     (scored,) = llm.generate("Paris is", params)
     assert scored.logprobs is not None and scored.top_logprobs is not None
