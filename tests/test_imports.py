@@ -25,6 +25,7 @@ PURE = [
     "shoal.engine.scheduler",
     "shoal.engine.stats",
     "shoal.engine.protocol",
+    "shoal.engine.requests",
     "shoal.engine.input_processor",
     "shoal.engine.output_processor",
     "shoal.engine.async_engine",

@@ -18,10 +18,10 @@ from typing import Any
 from shoal.config import EngineConfig
 from shoal.engine.factory import EngineParts, build_engine_parts
 from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.requests import RequestTable
 from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
 from shoal.engine.stats import EngineStats
-from shoal.errors import EngineClosedError, InvalidRequestError, QueueFullError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -51,10 +51,8 @@ class Engine:
         self.outputs = parts.outputs
         self.step_thread: threading.Thread | None = None  # set while an AsyncEngine owns it
         self.num_generated_tokens = 0
-        self._requests: dict[str, Sequence] = {}
+        self._requests: RequestTable[Sequence] = RequestTable(self.config.max_waiting)
         self._inbox: deque[tuple[str, Sequence]] = deque()
-        self._lock = threading.Lock()
-        self._closed = False
 
     # -- submission (any thread) -------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -77,20 +75,16 @@ class Engine:
         With `session_id`, the request reuses what its session holds (the KV of the session's
         last turn) and leaves its own KV to the session; it waits while the session is busy.
         """
-        if self._closed:
-            raise EngineClosedError("the engine is shut down")
+        self._requests.check_open()
         seq = self.inputs.process(prompt, params, request_id, priority, session_id)
-        with self._lock:
-            if seq.request_id in self._requests:
-                raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
-            if len(self._requests) >= self.config.max_waiting:
-                raise QueueFullError("too many requests are queued")
+        with self._requests.lock:
+            self._requests.check_new(seq.request_id)
             self._requests[seq.request_id] = seq
             self._inbox.append(("add", seq))
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._requests.lock:
             # Resolve the id now: an id not (yet) submitted names nothing to abort, and a later
             # request that reuses it must not be hit (nor meet the abort before its own add).
             seq = self._requests.get(request_id)
@@ -98,8 +92,7 @@ class Engine:
                 self._inbox.append(("abort", seq))
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return bool(self._requests)
+        return len(self._requests) > 0
 
     # -- the step loop (the step thread) --------------------------------------------------
     def _on_step_thread(self) -> None:
@@ -132,7 +125,7 @@ class Engine:
         return outputs
 
     def _drain_inbox(self) -> list[RequestOutput]:
-        with self._lock:
+        with self._requests.lock:
             items = list(self._inbox)
             self._inbox.clear()
         aborted = []
@@ -145,29 +138,26 @@ class Engine:
         return aborted
 
     def _retire(self, seq: Sequence) -> RequestOutput:
-        with self._lock:
-            self._requests.pop(seq.request_id, None)
+        self._requests.pop(seq.request_id)
         return OutputProcessor.snapshot(seq)
 
     def _save_if_closing(self) -> None:
-        if self._closed and not self.has_unfinished_requests():
+        if self._requests.closed and not self.has_unfinished_requests():
             self.sessions.flush()  # the last request of a closing engine is done
 
     # -- control (the step thread) --------------------------------------------------------
     def reset(self) -> list[RequestOutput]:
         """Abort everything (design input 000's RefreshBatch); only sessions keep blocks."""
         self._on_step_thread()
-        with self._lock:
-            ids = list(self._requests)
-        for request_id in ids:
-            self.abort(request_id)
+        for seq in self._requests.values():
+            self.abort(seq.request_id)
         outputs = self._drain_inbox()
         self.pool.evict_cached()
         return outputs
 
     def close(self) -> None:
         """Take no new requests; unsaved session KV goes to `cache_dir` once nothing runs."""
-        self._closed = True
+        self._requests.closed = True
         if self.step_thread is None:
             self._save_if_closing()
 

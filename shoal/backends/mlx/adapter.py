@@ -28,10 +28,11 @@ from shoal.backends.mlx.loader import MLXModel, load_gguf
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.requests import RequestTable
 from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
 from shoal.engine.stats import EngineStats
-from shoal.errors import EngineClosedError, InvalidRequestError, QueueFullError
+from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams
 
@@ -70,9 +71,7 @@ class MLXEngine:
         self.pool = self.core.pool
         self.sessions = self.core.sessions
         self.step_thread: threading.Thread | None = None  # set while an AsyncEngine owns it
-        self._requests: dict[str, int] = {}  # request id -> the block engine's uid
-        self._lock = threading.Lock()
-        self._closed = False
+        self._requests: RequestTable[int] = RequestTable(config.max_waiting)  # id -> core uid
 
     # -- submission (any thread) -------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -91,52 +90,45 @@ class MLXEngine:
         session_id: str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id (see `Engine.add_request`)."""
-        if self._closed:
-            raise EngineClosedError("the engine is shut down")
+        self._requests.check_open()
         seq = self.core.inputs.process(prompt, params, request_id, priority, session_id)
-        with self._lock:
-            if seq.request_id in self._requests:
-                raise InvalidRequestError(f"request id {seq.request_id!r} is already in use")
-            if len(self._requests) >= self.config.max_waiting:
-                raise QueueFullError("too many requests are queued")
+        with self._requests.lock:
+            self._requests.check_new(seq.request_id)
             self._requests[seq.request_id] = self.core.submit_sequence(seq)
         return seq.request_id
 
     def abort(self, request_id: str) -> None:
-        with self._lock:
+        with self._requests.lock:
             uid = self._requests.get(request_id)
             if uid is not None:
                 self.core.cancel(uid)
 
     def has_unfinished_requests(self) -> bool:
-        with self._lock:
-            return bool(self._requests)
+        return len(self._requests) > 0
 
     # -- the step loop (the step thread) --------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration: returns a snapshot of every request that gained text or finished."""
         outputs = self._outputs(self.core.step_sequences())
-        if self._closed and not self.has_unfinished_requests():
+        if self._requests.closed and not self.has_unfinished_requests():
             self.core.save_sessions()  # the last request of a closing engine is done
         return outputs
 
     def _outputs(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        with self._lock:
-            for seq in seqs:
-                if seq.is_finished:
-                    self._requests.pop(seq.request_id, None)
+        for seq in seqs:
+            if seq.is_finished:
+                self._requests.pop(seq.request_id)
         return [OutputProcessor.snapshot(seq) for seq in seqs]
 
     def reset(self) -> list[RequestOutput]:
         """Abort everything; only sessions keep blocks."""
-        with self._lock:
-            for uid in self._requests.values():
-                self.core.cancel(uid)
+        for uid in self._requests.values():
+            self.core.cancel(uid)
         return self._outputs(self.core.step_sequences(decode=False))
 
     def close(self) -> None:
         """Take no new requests; unsaved session KV goes to `cache_dir` once nothing runs."""
-        self._closed = True
+        self._requests.closed = True
         if self.step_thread is None and not self.has_unfinished_requests():
             self.core.close()
 
