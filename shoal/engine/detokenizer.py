@@ -16,11 +16,28 @@ class Detokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    def _full_text(self, seq: Sequence) -> str:
+        """All the output's text so far. Only the last few tokens are decoded each step (a
+        window that starts a token or more back, so a tokenizer that drops a leading space
+        decodes both sides alike); an unfinished UTF-8 character stays in the window."""
+        ids = seq.output_token_ids
+        before = self._decode(ids[seq.prefix_offset : seq.read_offset])
+        window = self._decode(ids[seq.prefix_offset :])
+        tail = window[len(before) :]
+        if len(window) > len(before) and not window.endswith("\ufffd"):
+            seq.decoded += tail
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+            return seq.decoded
+        return seq.decoded + tail
+
     def update(self, seq: Sequence, finishing: bool) -> bool:
         """Refresh `seq.text`; True if a stop string was hit (the text is cut before it)."""
         if self.tokenizer is None:
             return False
-        full = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=True)
+        full = self._full_text(seq)
         stops = seq.params.stop_strings
         if stops:
             start = max(0, len(seq.text) - max(len(s) for s in stops))

@@ -43,10 +43,14 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
-    # Runner-side state (a seeded torch.Generator, detokenizer offsets) lives here untyped so
-    # this module stays free of torch.
+    # A seeded torch.Generator lives here untyped so this module stays free of torch.
     generator: Any = None
-    text: str = ""
+    text: str = ""  # released text: final, never taken back
+    # Incremental detokenization: `decoded` is the text of output tokens [0, read_offset);
+    # the window from `prefix_offset` gives the next token's text its context.
+    decoded: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     @property
     def num_tokens(self) -> int:
