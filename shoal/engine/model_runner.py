@@ -9,6 +9,7 @@ from shoal.engine.host_memory import keep_freed_memory
 from shoal.engine.sampler import Sampled, sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
+from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
 from shoal.models.llama import LlamaForCausalLM
 
@@ -24,6 +25,12 @@ class ModelRunner:
             keep_freed_memory()
         cfg = model.config
         dtype = model.embed_tokens.dtype
+        if (
+            self.device.type == "cpu"
+            and dtype == torch.bfloat16
+            and cpu_kernels.gemm_available(dtype)
+        ):
+            model.use_float32_activations()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -2,6 +2,11 @@
 
 Weights arrive as a state dict with Hugging Face names; q/k/v and gate/up projections are
 fused at load so each layer runs three large products instead of six small ones.
+
+On a CPU without native bfloat16 arithmetic, bfloat16 weights run best with float32
+activations: the products widen the weight in their kernel (halving its memory traffic, fp32
+accumulation), and every other op runs in float32 instead of converting per element
+(`use_float32_activations`, as llama.cpp does on AVX2). The KV cache stays bfloat16.
 """
 
 from __future__ import annotations
@@ -113,6 +118,8 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.data
         self.lm_head = Linear(head)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
+        self.max_positions = max_positions
+        self.act_dtype = dtype
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
             raise ValueError(f"unexpected weights: {sorted(w)[:5]}")
@@ -125,10 +132,21 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
         for layer in self.layers:
             x = layer(x, positions, meta, self.rotary)
         return x
+
+    def use_float32_activations(self) -> None:
+        """Keep the projection weights (and the embedding) as they are; run the rest in fp32."""
+        self.act_dtype = torch.float32
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+        device = self.embed_tokens.device
+        self.rotary = RotaryEmbedding(
+            self.config.hf_config, self.config.head_dim, self.max_positions, torch.float32
+        ).to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
