@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.layers import linear
+from shoal.layers import cpu_kernels, linear
 
 
 def _cpu_flags() -> set[str]:
@@ -30,15 +30,25 @@ def test_bfloat16_packing_follows_the_cpu_flags() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("packed", [True, False])
-def test_linear_matches_f_linear_on_either_path(monkeypatch, dtype, packed) -> None:
-    if packed and not linear.onednn_packs(dtype):
+@pytest.mark.parametrize("path", ["gemm", "onednn", "torch"])
+def test_linear_matches_f_linear_on_every_path(monkeypatch, dtype, path) -> None:
+    if path == "gemm" and not cpu_kernels.gemm_available(dtype):
+        pytest.skip("no AVX2 + FMA or no compiler")
+    if path == "onednn" and not linear.onednn_packs(dtype):
         pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
-    monkeypatch.setattr(linear, "onednn_usable", lambda w: packed)
+    monkeypatch.setattr(cpu_kernels, "gemm_available", lambda d: path == "gemm")
+    monkeypatch.setattr(linear, "onednn_usable", lambda w: path == "onednn")
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
     x = torch.randn(5, 40, generator=gen)
     layer = linear.Linear(w.to(dtype), b.to(dtype))
-    got = layer(x.to(dtype)).float()
-    tol = 1e-4 if dtype == torch.float32 else 0.15
-    torch.testing.assert_close(got, F.linear(x, w, b), atol=tol, rtol=tol)
+    # The kernel takes float32 activations against either weight; the others match dtypes.
+    got = layer(x if path == "gemm" else x.to(dtype))
+    assert got.dtype == (torch.float32 if path == "gemm" else dtype)
+    assert (layer._panels is not None) is (path == "gemm")
+    assert (layer._packed is not None) is (path == "onednn")
+    tol = 1e-4 if dtype == torch.float32 or path == "gemm" else 0.15
+    ref_w = w.to(dtype).float() if path == "gemm" else w
+    torch.testing.assert_close(
+        got.float(), F.linear(x, ref_w, b.to(dtype).float()), atol=tol, rtol=tol
+    )

@@ -80,10 +80,17 @@ using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int6
                       const float*);
 constexpr Tile TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
-// Rows [m0, m1) of C against one panel (float32, k x NR).
+// Rows [m0, m1) of C against one panel (float32, k x NR). Meanwhile the next panel (`next`,
+// `next_bytes`; it is in DRAM when the weight is larger than the caches, as in every decode
+// step) is prefetched a slice per tile: otherwise the first tile of each panel waits on memory.
 inline void rows_by_panel(const float* a, int64_t lda, int64_t m0, int64_t m1, const float* panel,
-                          int64_t k, float* c, int64_t ldc, int64_t cols, const float* bias) {
-  for (int64_t i = m0; i < m1; i += MR) {
+                          int64_t k, float* c, int64_t ldc, int64_t cols, const float* bias,
+                          const char* next, int64_t next_bytes) {
+  const int64_t tiles = (m1 - m0 + MR - 1) / MR;
+  const int64_t per_tile = next ? (next_bytes / 64 + tiles) / tiles * 64 : 0;
+  for (int64_t i = m0, done = 0; i < m1; i += MR) {
+    for (const int64_t end = std::min(next_bytes, done + per_tile); done < end; done += 64)
+      __builtin_prefetch(next + done);
     const int64_t rows = std::min(MR, m1 - i);
     TILES[rows](a + i * lda, lda, panel, k, c + i * ldc, ldc, cols, bias);
   }
@@ -124,7 +131,10 @@ void gemm(const float* a, int64_t m, int64_t k, int64_t lda, const W* packed, in
           widen_bf16(packed + p * k * NR, wide.data(), k * NR);
           panel = wide.data();
         }
-        rows_by_panel(a, lda, m0, m1, panel, k, c + p * NR, ldc, cols, bias ? bias + p * NR : nullptr);
+        const char* next =
+            p + 1 < p1 ? reinterpret_cast<const char*>(packed + (p + 1) * k * NR) : nullptr;
+        rows_by_panel(a, lda, m0, m1, panel, k, c + p * NR, ldc, cols,
+                      bias ? bias + p * NR : nullptr, next, int64_t(k * NR * sizeof(W)));
       }
     }
   }
