@@ -44,7 +44,7 @@ if [[ ! -x $bin/llama-server || ! -x $bin/llama-batched-bench || ! -x $bin/llama
     --target llama-server llama-batched-bench llama-quantize >&2
 fi
 
-model=$("$py" -c 'from shoal.models.loader import bundled_model_path; print(bundled_model_path())')
+model=$("$py" -c 'from shoal.models.files import bundled_model_path; print(bundled_model_path())')
 for type in F32 BF16 F16; do
   out=$root/smollm2-135m-$type.gguf
   if [[ ! -s $out ]]; then

@@ -27,7 +27,8 @@ from op_profile import profiled
 from shoal import LLM, SamplingParams
 from shoal.bench import Workload, cpu_info, w1_workload, workload_flops
 from shoal.models.config import ModelConfig
-from shoal.models.loader import DTYPES, bundled_model_path
+from shoal.models.files import bundled_model_path
+from shoal.models.loader import DTYPES
 
 REPO = Path(__file__).resolve().parent.parent
 
