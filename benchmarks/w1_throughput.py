@@ -41,7 +41,7 @@ def run_shoal(work: Workload, dtype: str) -> tuple[float, list[list[int]], Model
         outs = llm.generate(work.prompts, params, use_tqdm=True)
         elapsed = time.perf_counter() - start
     print("shoal per-op profile (exclusive wall time; GFLOP/s of the schedule actually run):")
-    print("\n".join(prof.report()))
+    print("\n".join(prof.report()), flush=True)
     rate = sum(len(o.token_ids) for o in outs) / elapsed
     return rate, [o.token_ids for o in outs], llm.engine.model_config
 
@@ -97,10 +97,12 @@ def main() -> None:
 
     shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype)
     results["shoal"] = (shoal_rate, shoal_out)
+    print(f"shoal: {shoal_rate:.1f} output tokens/s", flush=True)  # each as it ends
     if root is not None:
         peer = llamacpp_peer.run(root, args.dtype, work.prompts, work.max_tokens, threads)
         results["llama.cpp"] = (peer.rate, peer.outputs)
         print(f"llama.cpp {root.name}: {' '.join(peer.command[1:])}")
+        print(f"llama.cpp: {peer.rate:.1f} output tokens/s", flush=True)
     if not args.skip_transformers:
         results["transformers"] = run_transformers(work, args.dtype, args.peer_batch_size)
 
