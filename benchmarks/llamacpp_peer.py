@@ -64,7 +64,7 @@ def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threa
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
-        with httpx.Client(base_url=base, timeout=600) as client:
+        with httpx.Client(base_url=base, timeout=None) as client:  # a loaded machine is slow
             _wait_ready(client, server, root / "llama-server.log")
 
             def one(prompt: list[int]) -> list[int]:
