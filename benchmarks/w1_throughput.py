@@ -1,40 +1,57 @@
-"""W1 throughput: shoal's continuous batching against transformers' static batching, one run.
+"""W1 throughput: shoal against llama.cpp's server and transformers, one process run.
 
 64 requests, prompt lengths uniform in [32, 512] (random.Random(0)), 128 output tokens each
-with EOS ignored, the bundled SmolLM2-135M in float32 on the CPU. transformers runs
-`generate()` on static batches of 16 with left padding. Prints each one's output tokens/s and
-the ratio.
+with EOS ignored, greedy, the bundled SmolLM2-135M in float32 or bfloat16 on the CPU.
+- shoal: `LLM.generate` over all prompts (continuous batching), profiled per kind of op.
+- llama.cpp: `llama-server` with one slot per request and the same thread count, every request
+  sent at once on the same token ids (see `benchmarks/llamacpp_peer.py`; built once by
+  `benchmarks/setup_llamacpp.sh`, from F32/BF16 GGUFs dequantized from the bundled Q4_1 one).
+- transformers: `generate()` on static batches of 16 with left padding.
+Prints each one's output tokens/s and achieved GFLOP/s against the CPU's peak, the ratios, and
+how many greedy outputs agree.
 
-    .venv/bin/python benchmarks/w1_throughput.py [--num-requests 64] [--skip-peer]
+    .venv/bin/python benchmarks/w1_throughput.py [--dtype float32|bfloat16]
+        [--num-requests 64] [--skip-llamacpp] [--skip-transformers]
 """
 
 from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
+import llamacpp_peer
 import torch
+from op_profile import profiled
 
 from shoal import LLM, SamplingParams
-from shoal.bench import Workload, w1_workload
-from shoal.models.loader import bundled_model_path
+from shoal.bench import Workload, cpu_info, w1_workload, workload_flops
+from shoal.models.config import ModelConfig
+from shoal.models.files import bundled_model_path
+from shoal.models.loader import DTYPES
+
+REPO = Path(__file__).resolve().parent.parent
 
 
-def run_shoal(work: Workload) -> tuple[float, list[list[int]]]:
-    llm = LLM()
+def run_shoal(work: Workload, dtype: str) -> tuple[float, list[list[int]], ModelConfig]:
+    llm = LLM(dtype=dtype)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(work.prompts, params, use_tqdm=True)
-    elapsed = time.perf_counter() - start
-    return sum(len(o.token_ids) for o in outs) / elapsed, [o.token_ids for o in outs]
+    with profiled(llm) as prof:
+        start = time.perf_counter()
+        outs = llm.generate(work.prompts, params, use_tqdm=True)
+        elapsed = time.perf_counter() - start
+    print("shoal per-op profile (exclusive wall time; GFLOP/s of the schedule actually run):")
+    print("\n".join(prof.report()), flush=True)
+    rate = sum(len(o.token_ids) for o in outs) / elapsed
+    return rate, [o.token_ids for o in outs], llm.engine.model_config
 
 
-def run_transformers(work: Workload, batch_size: int) -> tuple[float, list[list[int]]]:
+def run_transformers(work: Workload, dtype: str, batch_size: int) -> tuple[float, list[list[int]]]:
     from transformers import AutoModelForCausalLM
 
     path = bundled_model_path()
     model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
+        path.parent, gguf_file=path.name, dtype=DTYPES[dtype]
     ).eval()
     pad = model.config.pad_token_id or 0
     outputs: list[list[int]] = []
@@ -59,26 +76,58 @@ def run_transformers(work: Workload, batch_size: int) -> tuple[float, list[list[
     return sum(len(o) for o in outputs) / elapsed, outputs
 
 
+def _same(a: list[list[int]], b: list[list[int]]) -> str:
+    return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--peer-batch-size", type=int, default=16)
-    ap.add_argument("--skip-peer", action="store_true")
+    ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
+    cpu, threads = cpu_info(), torch.get_num_threads()
     work = w1_workload(49152, args.num_requests, args.max_tokens)
-    shoal_rate, shoal_out = run_shoal(work)
-    print(f"shoal:        {shoal_rate:7.1f} output tokens/s")
-    if args.skip_peer:
-        return
-    peer_rate, peer_out = run_transformers(work, args.peer_batch_size)
-    same = sum(a == b for a, b in zip(shoal_out, peer_out, strict=True))
+    results: dict[str, tuple[float, list[list[int]]]] = {}
+    root = None if args.skip_llamacpp else llamacpp_peer.setup(REPO)  # builds once, before timing
+
+    shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype)
+    results["shoal"] = (shoal_rate, shoal_out)
+    print(f"shoal: {shoal_rate:.1f} output tokens/s", flush=True)  # each as it ends
+    if root is not None:
+        peer = llamacpp_peer.run(root, args.dtype, work.prompts, work.max_tokens, threads)
+        results["llama.cpp"] = (peer.rate, peer.outputs)
+        print(f"llama.cpp {root.name}: {' '.join(peer.command[1:])}")
+        print(f"llama.cpp: {peer.rate:.1f} output tokens/s", flush=True)
+    if not args.skip_transformers:
+        results["transformers"] = run_transformers(work, args.dtype, args.peer_batch_size)
+
+    flops = workload_flops(cfg, work)
+    print(f"\nW1, {args.dtype}, {len(work.prompts)} requests x {work.max_tokens} tokens out")
+    print(f"CPU: {cpu.describe()}")
+    print(f"threads: shoal and transformers torch {threads}, llama.cpp -t {threads} -tb {threads}")
     print(
-        f"transformers: {peer_rate:7.1f} output tokens/s (static batches of {args.peer_batch_size})"
+        f"workload: {flops.total / 1e12:.2f} TFLOP (projections {flops.projections / 1e12:.2f}, "
+        f"LM head {flops.lm_head / 1e12:.2f}, attention prefill "
+        f"{flops.attention_prefill / 1e12:.2f}, decode {flops.attention_decode / 1e12:.2f})"
     )
-    print(f"ratio shoal / transformers: {shoal_rate / peer_rate:.2f}x")
-    print(f"identical greedy outputs: {same}/{len(shoal_out)} (float32; ties may differ)")
+    for name, (rate, _) in results.items():
+        gflops = flops.total * rate / work.num_output_tokens / 1e9
+        print(
+            f"{name:<13} {rate:7.1f} output tokens/s  {gflops:6.1f} GFLOP/s "
+            f"({100 * gflops / cpu.peak_gflops:.0f}% of peak)"
+        )
+    for name, (rate, _) in results.items():
+        if name != "shoal":
+            print(f"ratio shoal / {name}: {shoal_rate / rate:.2f}x")
+    pairs = [("shoal", "transformers"), ("llama.cpp", "transformers"), ("shoal", "llama.cpp")]
+    for a, b in pairs:
+        if a in results and b in results:
+            print(f"greedy outputs equal, {a} vs {b}: {_same(results[a][1], results[b][1])}")
 
 
 if __name__ == "__main__":

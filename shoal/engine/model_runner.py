@@ -10,6 +10,7 @@ from shoal.engine.output_processor import Sampled
 from shoal.engine.sampler import sample
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
+from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
 from shoal.models.llama import LlamaForCausalLM
 
@@ -25,6 +26,12 @@ class ModelRunner:
             keep_freed_memory()
         cfg = model.config
         dtype = model.embed_tokens.dtype
+        if (
+            self.device.type == "cpu"
+            and dtype == torch.bfloat16
+            and cpu_kernels.gemm_available(dtype)
+        ):
+            model.use_float32_activations()
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -58,16 +58,19 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
+
+    The cache may be narrower than q (bfloat16 KV under float32 activations on the CPU): new
+    keys and values are rounded into it, and cached ones widened when read."""
     kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
     out = torch.empty_like(q)
 
     b = meta.num_decodes
     if b:
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
-        if cpu_kernels.paged_decode_available(q):
+        if cpu_kernels.paged_decode_available(q, k_cache.dtype):
             cpu_kernels.paged_decode(
                 q[:b].contiguous(),
                 k_cache,
@@ -85,8 +88,9 @@ def paged_attention(
         if chunk.context_len == chunk.q_len:  # nothing cached before the chunk
             keys, values = k[rows], v[rows]
         else:
-            keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
-            values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[: chunk.context_len]
+            ctx = chunk.context_len
+            keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
+            values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
         out[rows] = prefill_attention(q[rows], keys, values, scale)
     return out
 
@@ -162,8 +166,8 @@ def _gathered_decode(
     b, heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
     tables = meta.decode_block_tables
-    keys = k_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
-    values = v_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2)
+    keys = k_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+    values = v_cache[tables].view(b, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
     key_pos = torch.arange(keys.shape[2], device=q.device)
     mask = (key_pos[None, :] < meta.decode_lens[:, None])[:, None, None, :]
     return F.scaled_dot_product_attention(

@@ -2,6 +2,11 @@
 
 Weights arrive as a state dict with Hugging Face names; q/k/v and gate/up projections are
 fused at load so each layer runs three large products instead of six small ones.
+
+On a CPU without native bfloat16 arithmetic, bfloat16 weights run best with float32
+activations: the products widen the weight in their kernel (halving its memory traffic, fp32
+accumulation), and every other op runs in float32 instead of converting per element
+(`use_float32_activations`, as llama.cpp does on AVX2). The KV cache stays bfloat16.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from torch import nn
 from shoal.layers.attention import AttentionMetadata, paged_attention
 from shoal.layers.linear import Linear
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import RotaryEmbedding
+from shoal.layers.rotary import RotaryEmbedding, rotate
 from shoal.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
@@ -45,9 +50,8 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x)
@@ -57,7 +61,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = rotary(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -72,7 +76,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        # In place, on the product's own output: two fewer [tokens, intermediate] temporaries.
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
 
 class DecoderLayer(nn.Module):
@@ -89,11 +94,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
         meta: AttentionMetadata,
-        rotary: RotaryEmbedding,
+        cos_sin: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta, rotary)
+        x = x + self.self_attn(self.input_layernorm(x), meta, cos_sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -113,6 +117,8 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.data
         self.lm_head = Linear(head)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
+        self.max_positions = max_positions
+        self.act_dtype = dtype
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
             raise ValueError(f"unexpected weights: {sorted(w)[:5]}")
@@ -125,10 +131,22 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens)
+        x = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+        cos_sin = self.rotary(positions)
         for layer in self.layers:
-            x = layer(x, positions, meta, self.rotary)
+            x = layer(x, meta, cos_sin)
         return x
+
+    def use_float32_activations(self) -> None:
+        """Keep the projection weights (and the embedding) as they are; run the rest in fp32."""
+        self.act_dtype = torch.float32
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.data = module.weight.data.float()
+        device = self.embed_tokens.device
+        self.rotary = RotaryEmbedding(
+            self.config.hf_config, self.config.head_dim, self.max_positions, torch.float32
+        ).to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

@@ -1,0 +1,111 @@
+"""llama.cpp's `llama-server` as a W1 peer: started for its turn, fed the same token ids.
+
+Built by `benchmarks/setup_llamacpp.sh` (cached). The server gets 64 slots (one per request,
+each with its own KV stream), `-t 2` threads for both decoding and prompt processing, a KV
+cache in the model's own type (F32 or BF16, as shoal keeps it) and no prompt cache; each
+request is a `/completion` call on the prompt's token ids, greedy, EOS ignored,
+`cache_prompt: false`, so every prompt is computed in full.
+"""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def setup(repo: Path) -> Path:
+    """Run the set-up script (a no-op once built); returns the folder with bin and GGUFs."""
+    out = subprocess.run(
+        ["bash", str(repo / "benchmarks" / "setup_llamacpp.sh")],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@dataclass(slots=True)
+class PeerRun:
+    rate: float  # output tokens per second
+    elapsed: float
+    outputs: list[list[int]]
+    command: list[str]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threads: int) -> PeerRun:
+    port = _free_port()
+    ctx_per_slot = max(len(p) for p in prompts) + max_tokens + 16
+    slots = len(prompts)
+    cmd = [
+        str(root / "build" / "bin" / "llama-server"),
+        *("-m", str(root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf")),
+        *("--host", "127.0.0.1", "--port", str(port)),
+        *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
+        *("-t", str(threads), "-tb", str(threads)),
+        *("-ctk", KV_TYPES[dtype], "-ctv", KV_TYPES[dtype]),
+        *("--cache-ram", "0", "--no-webui"),
+    ]
+    log = (root / "llama-server.log").open("w")  # a pipe left unread would block the server
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with httpx.Client(base_url=base, timeout=None) as client:  # a loaded machine is slow
+            _wait_ready(client, server, root / "llama-server.log")
+
+            def one(prompt: list[int]) -> list[int]:
+                body = {
+                    "prompt": prompt,
+                    "n_predict": max_tokens,
+                    "ignore_eos": True,
+                    "temperature": 0.0,
+                    "top_k": 1,
+                    "cache_prompt": False,
+                    "return_tokens": True,
+                }
+                r = client.post("/completion", json=body)
+                r.raise_for_status()
+                return list(r.json()["tokens"])
+
+            one(prompts[0][:8])  # warm-up: first-call allocations
+            start = time.perf_counter()
+            with ThreadPoolExecutor(len(prompts)) as pool:
+                outputs = list(pool.map(one, prompts))
+            elapsed = time.perf_counter() - start
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+    return PeerRun(sum(map(len, outputs)) / elapsed, elapsed, outputs, cmd)
+
+
+def _wait_ready(client: httpx.Client, server: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            tail = log.read_text(errors="replace")[-2000:]
+            raise RuntimeError(f"llama-server exited ({server.returncode}): {tail}")
+        try:
+            if client.get("/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError("llama-server did not become ready in 120 s")

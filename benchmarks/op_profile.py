@@ -1,0 +1,108 @@
+"""Where shoal's time goes: exclusive wall time per kind of work, by patching a few functions.
+
+Each patched call's time, less the time of patched calls inside it, goes to its kind, so the
+kinds add up to the wall time of `Engine.step`. A wrapper costs about a microsecond and there
+are a few hundred calls a step, so the profile barely moves the figure it explains.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from shoal.bench import Flops
+
+
+class OpProfile:
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[float] = []  # time spent in nested patched calls, per open call
+        self.flops = Flops()  # of the batches executed
+        self.steps = 0
+
+    def wrap(self, kind: str | Callable[..., str], fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kw: Any) -> Any:
+            self._stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                total = time.perf_counter() - start
+                nested = self._stack.pop()
+                name = kind(*args) if callable(kind) else kind
+                self.seconds[name] += total - nested
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1] += total
+
+        return timed
+
+    def report(self) -> list[str]:
+        flops, steps = self.flops, self.steps
+        rates = {
+            "projections": flops.projections,
+            "lm head": flops.lm_head,
+            "attention prefill": flops.attention_prefill,
+            "attention decode": flops.attention_decode,
+        }
+        total = sum(self.seconds.values())
+        lines = [f"  {'kind':<34} {'s':>7} {'share':>6} {'GFLOP/s':>8}"]
+        for name, sec in sorted(self.seconds.items(), key=lambda kv: -kv[1]):
+            rate = f"{rates[name] / sec / 1e9:8.1f}" if name in rates and sec else " " * 8
+            lines.append(f"  {name:<34} {sec:7.2f} {100 * sec / total:5.1f}% {rate}")
+        per_step = 1e3 * self.seconds["engine step (Python)"] / max(steps, 1)
+        lines.append(f"  {steps} steps; engine Python per step {per_step:.2f} ms")
+        return lines
+
+
+@contextmanager
+def profiled(llm: Any) -> Iterator[OpProfile]:
+    """Patch the engine of `llm` (and the layer modules) for the duration of the block."""
+    from shoal.engine import model_runner
+    from shoal.layers import attention, cpu_kernels, linear
+    from shoal.models import llama
+
+    prof = OpProfile()
+    engine, runner = llm.engine, llm.engine.runner
+    model = runner.model
+    head = model.lm_head
+    patches: list[tuple[Any, str, Any]] = [
+        (engine, "step", "engine step (Python)"),
+        (runner, "execute", "runner: inputs, metadata, glue"),
+        (model, "forward", "norms, rotary, SiLU, residuals"),
+        (model_runner, "sample", "sampling"),
+        (llama, "paged_attention", "KV writes, attention glue"),
+        (attention, "prefill_attention", "attention prefill"),
+        (cpu_kernels, "paged_decode", "attention decode"),
+        (attention, "_gathered_decode", "attention decode"),
+        (
+            linear.Linear,
+            "forward",
+            lambda self, *a: "lm head" if self is head else "projections",
+        ),
+    ]
+    saved = [(obj, name, obj.__dict__.get(name)) for obj, name, _ in patches]
+    for obj, name, kind in patches:
+        setattr(obj, name, prof.wrap(kind, getattr(obj, name)))
+    timed_execute = runner.execute
+
+    def execute(batch: Any) -> Any:
+        """Count the FLOPs of the schedule actually run."""
+        prof.steps += 1
+        for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens, strict=True):
+            prof.flops.add_chunk(model.config, start, n, sampled=start + n == seq.num_tokens)
+        return timed_execute(batch)
+
+    runner.execute = execute
+    try:
+        yield prof
+    finally:
+        for obj, name, old in saved:
+            if old is None:
+                delattr(obj, name)
+            else:
+                setattr(obj, name, old)

@@ -1,0 +1,155 @@
+// Dense projections for AVX2 + FMA CPUs: C[m, n] = A[m, k] . W[n, k]^T (+ bias), float32
+// activations and accumulation, the weight in float32 or bfloat16.
+//
+// The weight is packed once (by the caller, in torch) into panels of 16 output columns, each
+// panel k-major: panel p holds W[16p + j][kk] at [kk * 16 + j], so a micro-kernel step reads
+// 16 consecutive weights. A 6 x 16 micro-kernel keeps its tile in 12 ymm accumulators: per kk,
+// two weight loads, six broadcasts of A and twelve FMAs, which Zen 3's two FMA pipes retire in
+// six cycles. A bfloat16 panel is widened once per block of rows into a float32 copy in L1/L2
+// (a 16-bit shift: bf16 is the top half of a float32), so the inner loop is the float32 one
+// and the weight's memory traffic is halved.
+//
+// Threads share the panels through OpenMP; the library links the libgomp torch already loaded
+// (same soname), so these products run on torch's own thread pool instead of fighting it.
+
+#include <immintrin.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t NR = 16;      // output columns per panel
+constexpr int64_t MR = 6;       // rows per micro-kernel tile
+constexpr int64_t M_BLOCK = 96;  // rows of A kept in L2 while a thread sweeps its panels
+
+inline void store_row(float* out, __m256 lo, __m256 hi, int64_t cols, const float* bias) {
+  if (bias) {
+    lo = _mm256_add_ps(lo, _mm256_loadu_ps(bias));
+    hi = _mm256_add_ps(hi, _mm256_loadu_ps(bias + 8));
+  }
+  if (cols == NR) {
+    _mm256_storeu_ps(out, lo);
+    _mm256_storeu_ps(out + 8, hi);
+    return;
+  }
+  alignas(32) float tmp[NR];  // the last, partial panel
+  _mm256_store_ps(tmp, lo);
+  _mm256_store_ps(tmp + 8, hi);
+  std::memcpy(out, tmp, cols * sizeof(float));
+}
+
+// ROWS x 16 tile. The accumulators are named variables, not an array: GCC keeps an array of
+// vectors in memory and stores it back on every iteration.
+template <int ROWS>
+void tile(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc,
+          int64_t cols, const float* bias) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
+  __m256 c30 = zero, c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
+  const float* a0 = a;
+  const float* a1 = a + lda;
+  const float* a2 = a + 2 * lda;
+  const float* a3 = a + 3 * lda;
+  const float* a4 = a + 4 * lda;
+  const float* a5 = a + 5 * lda;
+#define SHOAL_ROW(R)                                        \
+  if constexpr (ROWS > R) {                                 \
+    const __m256 x = _mm256_broadcast_ss(a##R + kk);        \
+    c##R##0 = _mm256_fmadd_ps(x, b0, c##R##0);              \
+    c##R##1 = _mm256_fmadd_ps(x, b1, c##R##1);              \
+  }
+#pragma GCC unroll 4
+  for (int64_t kk = 0; kk < k; ++kk) {
+    const __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);
+    SHOAL_ROW(0) SHOAL_ROW(1) SHOAL_ROW(2) SHOAL_ROW(3) SHOAL_ROW(4) SHOAL_ROW(5)
+  }
+#undef SHOAL_ROW
+  store_row(c, c00, c01, cols, bias);
+  if constexpr (ROWS > 1) store_row(c + ldc, c10, c11, cols, bias);
+  if constexpr (ROWS > 2) store_row(c + 2 * ldc, c20, c21, cols, bias);
+  if constexpr (ROWS > 3) store_row(c + 3 * ldc, c30, c31, cols, bias);
+  if constexpr (ROWS > 4) store_row(c + 4 * ldc, c40, c41, cols, bias);
+  if constexpr (ROWS > 5) store_row(c + 5 * ldc, c50, c51, cols, bias);
+}
+
+using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
+                      const float*);
+constexpr Tile TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
+
+// Rows [m0, m1) of C against one panel (float32, k x NR). Meanwhile the next panel (`next`,
+// `next_bytes`; it is in DRAM when the weight is larger than the caches, as in every decode
+// step) is prefetched a slice per tile: otherwise the first tile of each panel waits on memory.
+inline void rows_by_panel(const float* a, int64_t lda, int64_t m0, int64_t m1, const float* panel,
+                          int64_t k, float* c, int64_t ldc, int64_t cols, const float* bias,
+                          const char* next, int64_t next_bytes) {
+  const int64_t tiles = (m1 - m0 + MR - 1) / MR;
+  const int64_t per_tile = next ? (next_bytes / 64 + tiles) / tiles * 64 : 0;
+  for (int64_t i = m0, done = 0; i < m1; i += MR) {
+    for (const int64_t end = std::min(next_bytes, done + per_tile); done < end; done += 64)
+      __builtin_prefetch(next + done);
+    const int64_t rows = std::min(MR, m1 - i);
+    TILES[rows](a + i * lda, lda, panel, k, c + i * ldc, ldc, cols, bias);
+  }
+}
+
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t count) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    const __m256i w = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
+    _mm256_storeu_ps(dst + i, _mm256_castsi256_ps(w));
+  }
+  for (; i < count; ++i) {
+    const uint32_t bits = uint32_t(src[i]) << 16;
+    std::memcpy(dst + i, &bits, sizeof(float));
+  }
+}
+
+template <typename W>
+void gemm(const float* a, int64_t m, int64_t k, int64_t lda, const W* packed, int64_t n, float* c,
+          int64_t ldc, const float* bias, int64_t num_threads) {
+  const int64_t panels = (n + NR - 1) / NR;
+  const int threads = int(std::max<int64_t>(1, std::min(num_threads, panels)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
+    std::vector<float> wide;
+    if constexpr (!std::is_same_v<W, float>) wide.resize(k * NR);
+    for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
+      const int64_t m1 = std::min(m, m0 + M_BLOCK);
+      for (int64_t p = p0; p < p1; ++p) {
+        const int64_t cols = std::min(NR, n - p * NR);
+        const float* panel;
+        if constexpr (std::is_same_v<W, float>) {
+          panel = packed + p * k * NR;
+        } else {
+          widen_bf16(packed + p * k * NR, wide.data(), k * NR);
+          panel = wide.data();
+        }
+        const char* next =
+            p + 1 < p1 ? reinterpret_cast<const char*>(packed + (p + 1) * k * NR) : nullptr;
+        rows_by_panel(a, lda, m0, m1, panel, k, c + p * NR, ldc, cols,
+                      bias ? bias + p * NR : nullptr, next, int64_t(k * NR * sizeof(W)));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" void gemm_f32(const float* a, int64_t m, int64_t k, int64_t lda, const float* packed,
+                         int64_t n, float* c, int64_t ldc, const float* bias,
+                         int64_t num_threads) {
+  gemm<float>(a, m, k, lda, packed, n, c, ldc, bias, num_threads);
+}
+
+extern "C" void gemm_bf16w(const float* a, int64_t m, int64_t k, int64_t lda,
+                           const uint16_t* packed, int64_t n, float* c, int64_t ldc,
+                           const float* bias, int64_t num_threads) {
+  gemm<uint16_t>(a, m, k, lda, packed, n, c, ldc, bias, num_threads);
+}
