@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shoal.batchify.cli import add_arguments as batchify_arguments
 from shoal.config import EngineConfig, GiB
+from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
 
 
@@ -142,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")
     batchify_arguments(bf)
     bf.set_defaults(func=_batchify)
+
+    add_quota_parser(sub)
 
     args = parser.parse_args(argv)
     try:
