@@ -173,7 +173,7 @@ def _limits(caps: dict[str, int]) -> list[Any]:
 
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
 @pytest.mark.parametrize("how", ["threads", "processes"])
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(workload=workloads)
 def test_concurrent_clients_never_exceed_capacity(
     kind: str, how: str, workload: Any, request: pytest.FixtureRequest

@@ -6,22 +6,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from quota_helpers import ISSUE_EXAMPLE
 
 from shoal.quota import LimitKind, QuotaInvalidError, QuotaService, load_config
 from shoal.quota.limits import parse_config
-
-ISSUE_EXAMPLE = """
-[[limit]]
-key = "global:llm:openai:gpt-4o:rpm"
-kind = "rate"        # rolling window
-capacity = 100
-window_s = 60
-
-[[limit]]
-key = "global:jobs:concurrency"
-kind = "concurrency"
-capacity = 8
-"""
+from shoal.quota.testing import LocalRedis
 
 
 def test_the_issue_example_loads_as_written(tmp_path: Path) -> None:
@@ -93,3 +82,14 @@ def test_unknown_backend_url_is_refused(tmp_path: Path) -> None:
     config = parse_config({})
     with pytest.raises(QuotaInvalidError, match="unknown backend"):
         QuotaService.open(config, backend_url="postgres://x", data_dir=tmp_path)
+
+
+def test_a_redis_url_opens_the_redis_backend(tmp_path: Path, redis_server: LocalRedis) -> None:
+    config = parse_config(tomllib.loads(ISSUE_EXAMPLE))
+    service = QuotaService.open(config, backend_url=redis_server.url, data_dir=tmp_path)
+    try:
+        assert service.backend.name == "redis"
+        assert len(service.limits()) >= 2
+        assert not (tmp_path / "quota.db").exists()
+    finally:
+        service.close()
