@@ -102,6 +102,5 @@ def create_app(
         api_key=api_key,
         max_body=max_body_bytes,
         max_upload=max_body_bytes,
-        shutting_down=lambda: False,
     )
     return app

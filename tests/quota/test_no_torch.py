@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 PROGRAM = """
 import sys
 
@@ -36,9 +34,6 @@ print("ok")
 """
 
 
-@pytest.mark.skip(
-    reason="until shoal/__init__.py imports the engine lazily (main's server refactor)"
-)
 def test_quota_imports_and_works_without_torch(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, "-c", PROGRAM, str(tmp_path / "q.db")],
