@@ -96,6 +96,7 @@ def _serve(args: argparse.Namespace) -> int:
         data_dir=Path(args.data_dir),
         api_key=args.api_key,
         batch_concurrency=args.batch_concurrency,
+        quota_config=Path(args.quota) if args.quota else None,
     )
     run_server(config, args.host, args.port)
     return 0
@@ -136,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
     serve.add_argument(
         "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
+    )
+    serve.add_argument(
+        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
     )
     _engine_args(serve)
     serve.set_defaults(func=_serve)
