@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
+
+from shoal.quota.errors import QuotaError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,8 +35,12 @@ def _serve(args: argparse.Namespace) -> int:
     from shoal.quota.service import QuotaService
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    config = load_config(args.config)
-    service = QuotaService.open(config, backend_url=args.backend, data_dir=args.data_dir)
+    try:
+        config = load_config(args.config)
+        service = QuotaService.open(config, backend_url=args.backend, data_dir=args.data_dir)
+    except (OSError, QuotaError) as e:
+        print(f"shoal quota serve: {e}", file=sys.stderr)
+        return 2
     logging.getLogger("shoal.quota").info(
         "%d limits on %s", len(config.limits), service.backend.name
     )

@@ -10,8 +10,10 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 from quota_helpers import ISSUE_EXAMPLE
 
+from shoal.cli import main
 from shoal.quota import QuotaClient, Requirement
 from shoal.quota.testing import free_port
 
@@ -53,3 +55,13 @@ def test_quota_serve_serves_a_limits_file(tmp_path: Path) -> None:
         # uvicorn shuts down gracefully, then re-raises the signal it caught.
         assert proc.wait(timeout=30) in (0, -signal.SIGTERM)
     assert (tmp_path / "data" / "quota.db").exists()
+
+
+def test_a_bad_limits_file_is_a_message_not_a_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "limits.toml"
+    config.write_text('[[limit]]\nkey = "a"\nkind = "rate"\ncapacity = 1\n')
+    assert main(["quota", "serve", "--config", str(config)]) == 2
+    assert "a rate limit needs window_s" in capsys.readouterr().err
+    assert main(["quota", "serve", "--config", str(tmp_path / "missing.toml")]) == 2
