@@ -10,6 +10,7 @@ from pathlib import Path
 
 from shoal.batchify.cli import add_arguments as batchify_arguments
 from shoal.config import EngineConfig, GiB
+from shoal.errors import ShoalError
 from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
 
@@ -91,6 +92,14 @@ def _serve(args: argparse.Namespace) -> int:
     from shoal.server.state import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.quota:  # a bad limits file is a message, before the model loads
+        from shoal.server.quota import read_config
+
+        try:
+            read_config(args.quota)
+        except (OSError, ShoalError) as e:
+            print(f"shoal serve: --quota: {e}", file=sys.stderr)
+            return 2
     config = ServerConfig(
         engine=engine_config(args, max_waiting=args.max_waiting),
         data_dir=Path(args.data_dir),

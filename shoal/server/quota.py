@@ -36,6 +36,7 @@ from shoal.quota import (
     ItemError,
     Limit,
     LimitKind,
+    QuotaConfig,
     QuotaError,
     QuotaInvalidError,
     QuotaService,
@@ -77,6 +78,16 @@ def _budget(table: Mapping[str, Any]) -> ServeBudget:
     return ServeBudget(table.get("rpm"), table.get("tpm"), float(window))
 
 
+def read_config(path: str | Path) -> tuple[QuotaConfig, ServeBudget]:
+    """CONFIG's limits and its [serve] budget; raises `QuotaInvalidError` or `OSError`."""
+    try:
+        data = tomllib.loads(Path(path).read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise QuotaInvalidError(f"{path}: {e}") from e
+    budget = _budget(data.pop("serve", {}))
+    return parse_config(data), budget
+
+
 class QuotaGate:
     """The server's quota: its service (also served over HTTP) and the admission rules."""
 
@@ -88,13 +99,9 @@ class QuotaGate:
 
     @classmethod
     def open(cls, path: str | Path, data_dir: str | Path) -> QuotaGate:
-        """Read CONFIG; the quota store is the file's backend, else `quota.db` in `data_dir`."""
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise QuotaInvalidError(f"{path}: {e}") from e
-        budget = _budget(data.pop("serve", {}))
-        return cls(QuotaService.open(parse_config(data), data_dir=data_dir), budget)
+        """The quota store is the file's backend, else `quota.db` in `data_dir`."""
+        config, budget = read_config(path)
+        return cls(QuotaService.open(config, data_dir=data_dir), budget)
 
     def _limits(self, authorization: str | None, model: str) -> tuple[Limit | None, Limit | None]:
         scheme, _, token = (authorization or "").partition(" ")

@@ -104,3 +104,14 @@ def test_quota_routes_are_served_beside_the_api(live: LiveServer) -> None:
     assert r.status_code == 200 and r.json()["results"][0]["allowed"] is True
     assert used(live)["global:jobs:concurrency"] == 1
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"  # still the server's
+
+
+def test_serve_with_a_bad_quota_file_says_so_before_loading_a_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shoal.cli import main
+
+    bad = tmp_path / "limits.toml"
+    bad.write_text("[serve]\nrpm = 0\n")
+    assert main(["serve", "--quota", str(bad), "--model", str(tmp_path / "none")]) == 2
+    assert "rpm must be a positive integer" in capsys.readouterr().err
