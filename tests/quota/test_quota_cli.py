@@ -1,5 +1,5 @@
 """`shoal quota serve` as a user runs it: a real process serving a limits file (SQLite in the
-data dir; `--backend URL` goes to the same `QuotaService.open` that test_limits covers)."""
+data dir; `--backend URL` goes to the same `QuotaService.open` that test_quota_limits covers)."""
 
 from __future__ import annotations
 
