@@ -45,5 +45,7 @@ def _serve(args: argparse.Namespace) -> int:
         "%d limits on %s", len(config.limits), service.backend.name
     )
     app = create_app(service, api_key=args.api_key)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # Idle connections outlive the clients' own keep-alive (httpx: 5 s), so a client never
+    # sends on a connection the server is closing at that moment.
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", timeout_keep_alive=30)
     return 0
