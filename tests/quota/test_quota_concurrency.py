@@ -121,8 +121,9 @@ workloads = st.tuples(
 
 @pytest.fixture(scope="module")
 def processes() -> Iterator[ProcessPoolExecutor]:
-    # fork: the workers inherit the imported modules instead of importing torch again.
-    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("fork")) as pool:
+    # spawn, not fork: by now this process has threads (servers of other tests) whose locks
+    # a forked child would inherit held. shoal.quota imports no torch, so spawning is quick.
+    with ProcessPoolExecutor(3, mp_context=multiprocessing.get_context("spawn")) as pool:
         yield pool
 
 
