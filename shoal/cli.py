@@ -10,6 +10,8 @@ from pathlib import Path
 
 from shoal.batchify.cli import add_arguments as batchify_arguments
 from shoal.config import BACKENDS, EngineConfig, GiB
+from shoal.errors import ShoalError
+from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
 
 
@@ -100,11 +102,20 @@ def _serve(args: argparse.Namespace) -> int:
     from shoal.server.state import ServerConfig
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if args.quota:  # a bad limits file is a message, before the model loads
+        from shoal.server.quota import read_config
+
+        try:
+            read_config(args.quota)
+        except (OSError, ShoalError) as e:
+            print(f"shoal serve: --quota: {e}", file=sys.stderr)
+            return 2
     config = ServerConfig(
         engine=engine_config(args, max_waiting=args.max_waiting),
         data_dir=Path(args.data_dir),
         api_key=args.api_key,
         batch_concurrency=args.batch_concurrency,
+        quota_config=Path(args.quota) if args.quota else None,
     )
     run_server(config, args.host, args.port)
     return 0
@@ -147,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
     )
+    serve.add_argument(
+        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
+    )
     _engine_args(serve)
     _backend_arg(serve)
     serve.set_defaults(func=_serve)
@@ -154,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")
     batchify_arguments(bf)
     bf.set_defaults(func=_batchify)
+
+    add_quota_parser(sub)
 
     args = parser.parse_args(argv)
     try:

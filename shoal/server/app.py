@@ -23,6 +23,7 @@ from fastapi import FastAPI
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol, create_engine
+from shoal.quota.http import create_router
 from shoal.server import batches, files, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
@@ -31,6 +32,7 @@ from shoal.server.datadir import DataDirBusyError, DataDirLock
 from shoal.server.errors import install_handlers
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
+from shoal.server.quota import QuotaGate
 from shoal.server.serving import Serving
 from shoal.server.state import ServerConfig, ServerState
 from shoal.server.store import Store
@@ -53,7 +55,9 @@ async def _save_sessions_when_idle(aeng: AsyncEngine, every_s: float) -> None:
 
 
 def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> FastAPI:
-    """The app; the engine loads at startup unless one is given."""
+    """The app; the engine loads at startup unless one is given. With a quota config, its
+    routes are served too and requests are admitted through it (`server/quota.py`)."""
+    gate = QuotaGate.open(config.quota_config, config.data_dir) if config.quota_config else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -70,7 +74,7 @@ def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> Fa
             max_lines=config.max_batch_lines,
             priority=config.batch_priority,
         )
-        state = ServerState(config, serving, store, runner)
+        state = ServerState(config, serving, store, runner, gate)
         app.state.shoal = state
         runner.start()
         saver = asyncio.create_task(_save_sessions_when_idle(aeng, config.session_save_s))
@@ -86,6 +90,8 @@ def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> Fa
             await aeng.shutdown(config.drain_timeout_s)
             eng.save_sessions()
             store.close()
+            if gate is not None:
+                await gate.aclose()
             lock.release()
 
     app = FastAPI(
@@ -101,6 +107,8 @@ def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> Fa
     app.include_router(batches.router)
     app.include_router(anthropic_messages.router)
     app.include_router(anthropic_batches.router)
+    if gate is not None:
+        app.include_router(create_router(gate.service, health=False))
     app.add_middleware(
         Guard,
         api_key=config.api_key,

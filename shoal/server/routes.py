@@ -19,9 +19,9 @@ from starlette.types import Receive, Scope, Send
 
 from shoal.server.errors import model_not_found
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.server.quota import UNMETERED
 from shoal.server.serving import (
     Prepared,
-    Serving,
     prepare_chat,
     prepare_completion,
     respond,
@@ -71,15 +71,25 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def _serve(request: Request, srv: Serving, prep: Prepared, stream: bool) -> Response:
+async def _serve(request: Request, state: ServerState, prep: Prepared, stream: bool) -> Response:
+    srv = state.serving
+    meter = await (state.quota or UNMETERED).admit(request.headers.get("authorization"), prep)
     if stream:
-        gen, first = await start_stream(srv, prep)
+        try:
+            gen, first = meter.watch(*await start_stream(srv, prep))
+        except BaseException:
+            await meter.done(0)
+            raise
         return SSEResponse(
-            stream_sse(srv, prep, gen, first),
+            meter.settling(stream_sse(srv, prep, gen, first)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await unless_disconnected(request, respond(srv, prep))
+    body = None
+    try:
+        body = await unless_disconnected(request, respond(srv, prep))
+    finally:
+        await meter.done(body["usage"]["total_tokens"] if body else None)
     if body is None:
         return Response(status_code=499)
     return JSONResponse(body)
@@ -112,7 +122,7 @@ async def completions(
     request: Request, state: State, req: CompletionRequest, x_session_id: SessionHeader = None
 ) -> Response:
     prep = await prepare_completion(state.serving, req, session_id=x_session_id)
-    return await _serve(request, state.serving, prep, bool(req.stream))
+    return await _serve(request, state, prep, bool(req.stream))
 
 
 @router.post("/v1/chat/completions")
@@ -123,7 +133,7 @@ async def chat_completions(
     x_session_id: SessionHeader = None,
 ) -> Response:
     prep = await prepare_chat(state.serving, req, session_id=x_session_id)
-    return await _serve(request, state.serving, prep, bool(req.stream))
+    return await _serve(request, state, prep, bool(req.stream))
 
 
 @router.get("/health")

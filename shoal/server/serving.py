@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -310,7 +310,7 @@ async def stream_sse(
     prep: Prepared,
     gen: AsyncGenerator[tuple[int, RequestOutput]],
     first: tuple[int, RequestOutput],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     """Server-sent events in OpenAI's chunk format, ending with `[DONE]`."""
     tok = srv.engine.tokenizer
     k = len(prep.jobs)

@@ -1,4 +1,5 @@
-"""What the server holds at run time: its configuration, the serving path, the store, the runner.
+"""What the server holds at run time: its configuration, the serving path, the store, the runner
+and, with `--quota`, the quota gate.
 
 One `ServerState` per app, set as `app.state.shoal` when the app starts and reached through
 `request.app.state` (never module globals), so several servers can run in one process (the
@@ -18,6 +19,7 @@ from shoal.config import EngineConfig
 if TYPE_CHECKING:
     from shoal.engine.protocol import EngineProtocol
     from shoal.server.batch_runner import BatchRunner
+    from shoal.server.quota import QuotaGate
     from shoal.server.serving import Serving
     from shoal.server.store import Store
 
@@ -38,6 +40,7 @@ class ServerConfig:
     drain_timeout_s: float = 10.0
     batch_grace_s: float = 2.0
     session_save_s: float = 1.0  # how often an idle engine writes unsaved session KV to disk
+    quota_config: Path | None = None  # `--quota`: a limits file with a [serve] budget
 
     def describe(self) -> dict[str, str]:
         """The server's own settings, as `/metrics` shows them (never the API key)."""
@@ -57,6 +60,7 @@ class ServerState:
     serving: Serving
     store: Store
     runner: BatchRunner
+    quota: QuotaGate | None = None
     shutting_down: bool = False
 
     @property
