@@ -5,6 +5,11 @@ each with its own KV stream), `-t 2` threads for both decoding and prompt proces
 cache in the model's own type (F32 or BF16, as shoal keeps it) and no prompt cache; each
 request is a `/completion` call on the prompt's token ids, greedy, EOS ignored,
 `cache_prompt: false`, so every prompt is computed in full.
+
+`batched_bench` runs llama.cpp's engine without its server: `llama-batched-bench` decodes all
+sequences together at W1's mean prompt length. On a 2-core Zen 3 the server ran W1 3x slower
+than this (its per-slot work between steps), so W1 prints both: the server is what users run,
+the bench is the best this build of llama.cpp does on the same work.
 """
 
 from __future__ import annotations
@@ -94,6 +99,26 @@ def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threa
             server.kill()
         log.close()
     return PeerRun(sum(map(len, outputs)) / elapsed, elapsed, outputs, cmd)
+
+
+def batched_bench(
+    root: Path, dtype: str, prompt_len: int, max_tokens: int, parallel: int, threads: int
+) -> PeerRun:
+    """`llama-batched-bench` with flash attention and one KV stream per sequence (the fastest
+    of flash attention on/off x unified KV on/off on this CPU); no outputs to compare."""
+    cmd = [
+        str(root / "build" / "bin" / "llama-batched-bench"),
+        *("-m", str(root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf")),
+        *("-c", str(parallel * (prompt_len + max_tokens + 16))),
+        *("-npp", str(prompt_len), "-ntg", str(max_tokens), "-npl", str(parallel)),
+        *("-t", str(threads), "-tb", str(threads)),
+        *("-ctk", KV_TYPES[dtype], "-ctv", KV_TYPES[dtype], "-fa", "on", "-no-kvu"),
+    ]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    # The result row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("|")]
+    elapsed = float(rows[-1][8])
+    return PeerRun(parallel * max_tokens / elapsed, elapsed, [], cmd)
 
 
 def _wait_ready(client: httpx.Client, server: subprocess.Popen[bytes], log: Path) -> None:

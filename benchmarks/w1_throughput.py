@@ -6,6 +6,8 @@ with EOS ignored, greedy, the bundled SmolLM2-135M in float32 or bfloat16 on the
 - llama.cpp: `llama-server` with one slot per request and the same thread count, every request
   sent at once on the same token ids (see `benchmarks/llamacpp_peer.py`; built once by
   `benchmarks/setup_llamacpp.sh`, from F32/BF16 GGUFs dequantized from the bundled Q4_1 one).
+- llama.cpp bench: `llama-batched-bench`, llama.cpp's engine without the server, all 64
+  sequences at W1's mean prompt length: the best this llama.cpp build does on the same work.
 - transformers: `generate()` on static batches of 16 with left padding.
 Prints each one's output tokens/s and achieved GFLOP/s against the CPU's peak, the ratios, and
 how many greedy outputs agree.
@@ -92,19 +94,28 @@ def main() -> None:
 
     cpu, threads = cpu_info(), torch.get_num_threads()
     work = w1_workload(49152, args.num_requests, args.max_tokens)
-    results: dict[str, tuple[float, list[list[int]]]] = {}
+    rates: dict[str, float] = {}
+    outputs: dict[str, list[list[int]]] = {}
     root = None if args.skip_llamacpp else llamacpp_peer.setup(REPO)  # builds once, before timing
 
     shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype)
-    results["shoal"] = (shoal_rate, shoal_out)
+    rates["shoal"], outputs["shoal"] = shoal_rate, shoal_out
     print(f"shoal: {shoal_rate:.1f} output tokens/s", flush=True)  # each as it ends
     if root is not None:
         peer = llamacpp_peer.run(root, args.dtype, work.prompts, work.max_tokens, threads)
-        results["llama.cpp"] = (peer.rate, peer.outputs)
+        rates["llama.cpp"], outputs["llama.cpp"] = peer.rate, peer.outputs
         print(f"llama.cpp {root.name}: {' '.join(peer.command[1:])}")
         print(f"llama.cpp: {peer.rate:.1f} output tokens/s", flush=True)
+        mean_len = round(sum(map(len, work.prompts)) / len(work.prompts))
+        bench = llamacpp_peer.batched_bench(
+            root, args.dtype, mean_len, work.max_tokens, len(work.prompts), threads
+        )
+        rates["llama.cpp bench"] = bench.rate
+        print(f"llama.cpp bench: {' '.join(bench.command[1:])}")
+        print(f"llama.cpp bench: {bench.rate:.1f} output tokens/s", flush=True)
     if not args.skip_transformers:
-        results["transformers"] = run_transformers(work, args.dtype, args.peer_batch_size)
+        rate, outs = run_transformers(work, args.dtype, args.peer_batch_size)
+        rates["transformers"], outputs["transformers"] = rate, outs
 
     flops = workload_flops(cfg, work)
     print(f"\nW1, {args.dtype}, {len(work.prompts)} requests x {work.max_tokens} tokens out")
@@ -115,19 +126,19 @@ def main() -> None:
         f"LM head {flops.lm_head / 1e12:.2f}, attention prefill "
         f"{flops.attention_prefill / 1e12:.2f}, decode {flops.attention_decode / 1e12:.2f})"
     )
-    for name, (rate, _) in results.items():
+    for name, rate in rates.items():
         gflops = flops.total * rate / work.num_output_tokens / 1e9
         print(
-            f"{name:<13} {rate:7.1f} output tokens/s  {gflops:6.1f} GFLOP/s "
+            f"{name:<15} {rate:7.1f} output tokens/s  {gflops:6.1f} GFLOP/s "
             f"({100 * gflops / cpu.peak_gflops:.0f}% of peak)"
         )
-    for name, (rate, _) in results.items():
+    for name, rate in rates.items():
         if name != "shoal":
             print(f"ratio shoal / {name}: {shoal_rate / rate:.2f}x")
     pairs = [("shoal", "transformers"), ("llama.cpp", "transformers"), ("shoal", "llama.cpp")]
     for a, b in pairs:
-        if a in results and b in results:
-            print(f"greedy outputs equal, {a} vs {b}: {_same(results[a][1], results[b][1])}")
+        if a in outputs and b in outputs:
+            print(f"greedy outputs equal, {a} vs {b}: {_same(outputs[a], outputs[b])}")
 
 
 if __name__ == "__main__":
