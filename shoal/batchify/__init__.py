@@ -6,6 +6,7 @@
 Importable without torch: nothing here imports the engine.
 """
 
+from shoal.batchify.budget import BatchSpec, QuotaPolicy
 from shoal.batchify.errors import (
     BatchCancelledError,
     BatchExpiredError,
@@ -23,11 +24,13 @@ __all__ = [
     "BatchExpiredError",
     "BatchFailedError",
     "BatchResultMissingError",
+    "BatchSpec",
     "BatchSubmitError",
     "Batchify",
     "BatchifyClosedError",
     "BatchifyError",
     "ProviderHTTPError",
+    "QuotaPolicy",
     "batchify",
     "current_scope",
 ]

@@ -15,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from shoal.batchify.adapters import Adapter, Results, Snapshot
+from shoal.batchify.budget import BatchLease, BatchSpec, QuotaPolicy
 from shoal.batchify.cache import Cache, Intent
 from shoal.batchify.calls import Outcome, Pending, Target, settle
 from shoal.batchify.errors import (
@@ -49,6 +50,7 @@ class Env:
     max_poll_interval_s: float
     requeue: Callable[[list[Pending]], Awaitable[None]]
     fault: FaultHook | None = None
+    quota: QuotaPolicy | None = None
     submit_attempts: int = 5
 
     def retry_backoff(self) -> Backoff:
@@ -89,7 +91,10 @@ class Job:
         for i, p in enumerate(pending):
             self.waiting[custom_id(self.tag, i)] = p
         cache = self.env.cache
+        lease = self._lease(pending)
         try:
+            if lease is not None:
+                await lease.acquire()
             if cache is not None:
                 rows = [(p.call.key, cid) for cid, p in self.waiting.items()]
                 await asyncio.to_thread(cache.write_intent, self.intent, rows)
@@ -101,9 +106,13 @@ class Job:
                 await asyncio.to_thread(cache.record, self.tag, batch_id)
             self._fault("recorded")
             await self._finish(batch_id, results, first_delay=True)
+            if lease is not None:
+                await lease.release(None if self.results is None else self.results.values())
         except BatchSubmitError as e:
             if cache is not None:  # nothing exists at the provider: a re-run submits again
                 await asyncio.to_thread(cache.forget, self.tag)
+            if lease is not None:
+                await lease.release(None, submitted=False)
             self._fail(e)
         except BaseException as e:
             self._fail(e)
@@ -149,6 +158,20 @@ class Job:
         self._fail(BatchCancelledError(f"batch {self.intent.batch_id or self.tag} cancelled"))
 
     # -- steps -----------------------------------------------------------------------------
+    def _lease(self, pending: list[Pending]) -> BatchLease | None:
+        """The quota lease this batch must hold, if the scope has a quota policy."""
+        if self.env.quota is None:
+            return None
+        first = pending[0].call
+        spec = BatchSpec(
+            self.adapter.name,
+            self.target.base_url,
+            self.target.endpoint,
+            first.model,
+            [p.call.body for p in pending],
+        )
+        return BatchLease(self.env.quota, spec, job_id=self.tag)
+
     async def _create(self, items: list[tuple[str, dict]]) -> tuple[str, Results | None]:
         backoff = self.env.retry_backoff()
         last: Exception | None = None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.batchify.adapters import ADAPTERS
+from shoal.batchify.budget import QuotaPolicy
 from shoal.batchify.cache import Cache, Intent
 from shoal.batchify.calls import Pending, json_outcome, settle
 from shoal.batchify.errors import BatchifyClosedError
@@ -56,6 +57,7 @@ class Batcher:
         progress: Progress,
         dry_run: bool = False,
         fault: FaultHook | None = None,
+        quota: QuotaPolicy | None = None,
     ) -> None:
         self.batch_size = batch_size
         self.window_s = window_s
@@ -68,6 +70,7 @@ class Batcher:
             max_poll_interval_s,
             requeue=self._enqueue,
             fault=fault,
+            quota=quota,
         )
         self.stats = Stats()
         self.closed = False

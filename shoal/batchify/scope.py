@@ -21,6 +21,7 @@ import httpx
 
 from shoal.batchify import transport
 from shoal.batchify.adapters import to_call
+from shoal.batchify.budget import QuotaPolicy
 from shoal.batchify.cache import DEFAULT_MAX_AGE_S, Cache, default_cache_path
 from shoal.batchify.calls import Call, Outcome, Pending, settle
 from shoal.batchify.errors import BatchifyClosedError
@@ -53,7 +54,9 @@ class Batchify:
     process_wide: also catch calls from threads that do not inherit the context.
     live_progress: a rich table (None: on a terminal only). fault_hook: called at
     "intent_written", "submitted" and "recorded" (crash tests). provider_transport: the
-    httpx transport for the batcher's own calls (proxies, tests).
+    httpx transport for the batcher's own calls (proxies, tests). quota: a `QuotaPolicy`;
+    each batch then reserves its requests and tokens through `shoal.quota` before it is
+    submitted (`budget.py`).
     """
 
     def __init__(
@@ -71,6 +74,7 @@ class Batchify:
         live_progress: bool | None = None,
         fault_hook: FaultHook | None = None,
         provider_transport: httpx.AsyncBaseTransport | None = None,
+        quota: QuotaPolicy | None = None,
     ) -> None:
         if batch_size < 1 or window_s < 0 or poll_interval_s <= 0:
             raise ValueError("batch_size >= 1, window_s >= 0 and poll_interval_s > 0 are needed")
@@ -81,6 +85,7 @@ class Batchify:
         self.dry_run = dry_run
         self.fault_hook = fault_hook
         self.provider_transport = provider_transport
+        self.quota = quota
         self.cache_path = None if dry_run else Path(cache_path or default_cache_path())
         self.cache_max_age_s = cache_max_age_s
         self.cancel_on_abort = cancel_on_abort
@@ -168,6 +173,7 @@ class Batchify:
             progress=progress,
             dry_run=self.dry_run,
             fault=self.fault_hook,
+            quota=self.quota,
         )
         self._thread = threading.Thread(target=loop.run_forever, name="shoal-batchify", daemon=True)
         self._thread.start()

@@ -124,6 +124,7 @@ class FakeOpenAI(_Fake):
                             "message": {"role": "assistant", "content": reply_text(ln["body"])},
                         }
                     ],
+                    "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
                 }
             )
             line = {
