@@ -1,15 +1,15 @@
 """llama.cpp's `llama-server` as a W1 peer: started for its turn, fed the same token ids.
 
 Built by `benchmarks/setup_llamacpp.sh` (cached). The server gets 64 slots (one per request,
-each with its own KV stream), `-t 2` threads for both decoding and prompt processing, a KV
-cache in the model's own type (F32 or BF16, as shoal keeps it) and no prompt cache; each
+each with its own KV stream), `-t 2` threads for both decoding and prompt processing, no prompt
+cache, and llama.cpp's own default KV cache type, F16 (an F32 cache, as shoal keeps in float32,
+halved llama.cpp's throughput on a 2-core Zen 3: forcing it would handicap the peer). Each
 request is a `/completion` call on the prompt's token ids, greedy, EOS ignored,
 `cache_prompt: false`, so every prompt is computed in full.
 
 `batched_bench` runs llama.cpp's engine without its server: `llama-batched-bench` decodes all
-sequences together at W1's mean prompt length. On a 2-core Zen 3 the server ran W1 3x slower
-than this (its per-slot work between steps), so W1 prints both: the server is what users run,
-the bench is the best this build of llama.cpp does on the same work.
+sequences together at W1's mean prompt length, with no HTTP or slot bookkeeping: the best this
+build of llama.cpp does on the same work.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from pathlib import Path
 import httpx
 
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
-KV_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
 def setup(repo: Path) -> Path:
@@ -62,7 +61,6 @@ def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threa
         *("--host", "127.0.0.1", "--port", str(port)),
         *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
         *("-t", str(threads), "-tb", str(threads)),
-        *("-ctk", KV_TYPES[dtype], "-ctv", KV_TYPES[dtype]),
         *("--cache-ram", "0", "--no-webui"),
     ]
     log = (root / "llama-server.log").open("w")  # a pipe left unread would block the server
@@ -112,7 +110,7 @@ def batched_bench(
         *("-c", str(parallel * (prompt_len + max_tokens + 16))),
         *("-npp", str(prompt_len), "-ntg", str(max_tokens), "-npl", str(parallel)),
         *("-t", str(threads), "-tb", str(threads)),
-        *("-ctk", KV_TYPES[dtype], "-ctv", KV_TYPES[dtype], "-fa", "on", "-no-kvu"),
+        *("-fa", "on", "-no-kvu"),
     ]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     # The result row: | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |

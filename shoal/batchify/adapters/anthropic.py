@@ -19,7 +19,14 @@ from collections.abc import Mapping
 from datetime import datetime
 from typing import Any
 
-from shoal.batchify.adapters.base import CLOCK_SKEW_S, Candidate, Results, Route, Snapshot
+from shoal.batchify.adapters.base import (
+    CLOCK_SKEW_S,
+    Candidate,
+    Results,
+    Route,
+    Snapshot,
+    recent_batches,
+)
 from shoal.batchify.adapters.base import jsonl_lines as _lines
 from shoal.batchify.calls import Outcome, Target, json_outcome
 from shoal.batchify.errors import BatchCancelledError, BatchExpiredError, BatchifyError
@@ -48,6 +55,10 @@ def _timestamp(value: Any) -> float:
         return 0.0
 
 
+def _created_at(batch: dict[str, Any]) -> float:
+    return _timestamp(batch.get("created_at"))
+
+
 class AnthropicAdapter:
     name = "anthropic"
     max_requests = 100_000
@@ -72,18 +83,12 @@ class AnthropicAdapter:
         self, http: ProviderHTTP, target: Target, tag: str, n: int, since: float
     ) -> list[Candidate]:
         found: list[Candidate] = []
-        params: dict[str, Any] = {"limit": 100}
-        while True:
-            page = (await http.send("GET", target, "/messages/batches", params=params)).json()
-            data = page.get("data") or []
-            for b in data:
-                total = sum(int(v or 0) for v in (b.get("request_counts") or {}).values())
-                if total == n and _timestamp(b.get("created_at")) >= since - CLOCK_SKEW_S:
-                    found.append(Candidate(b["id"], verified=False))
-            oldest = min((_timestamp(b.get("created_at")) for b in data), default=0.0)
-            if not page.get("has_more") or not data or oldest < since - CLOCK_SKEW_S:
-                return found
-            params["after_id"] = page.get("last_id") or data[-1]["id"]
+        pages = recent_batches(http, target, "/messages/batches", since, _created_at, "after_id")
+        async for b in pages:
+            total = sum(int(v or 0) for v in (b.get("request_counts") or {}).values())
+            if total == n and _created_at(b) >= since - CLOCK_SKEW_S:
+                found.append(Candidate(b["id"], verified=False))
+        return found
 
     async def poll(self, http: ProviderHTTP, target: Target, batch_id: str) -> Snapshot:
         b = (await http.send("GET", target, f"/messages/batches/{batch_id}")).json()

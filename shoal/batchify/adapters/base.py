@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -88,3 +88,25 @@ class Adapter(Protocol):
 
 def jsonl_lines(data: bytes) -> list[dict[str, Any]]:
     return [json.loads(ln) for ln in data.decode("utf-8").splitlines() if ln.strip()]
+
+
+async def recent_batches(
+    http: ProviderHTTP,
+    target: Target,
+    path: str,
+    since: float,
+    created_at: Callable[[dict[str, Any]], float],
+    cursor: str,
+) -> AsyncIterator[dict[str, Any]]:
+    """The provider's batches, newest first, page by page, until a page reaches back past
+    `since` (less the allowed clock skew) or there are no more."""
+    params: dict[str, Any] = {"limit": 100}
+    while True:
+        page = (await http.send("GET", target, path, params=params)).json()
+        data = page.get("data") or []
+        for b in data:
+            yield b
+        oldest = min((created_at(b) for b in data), default=0.0)
+        if not page.get("has_more") or not data or oldest < since - CLOCK_SKEW_S:
+            return
+        params[cursor] = page.get("last_id") or data[-1]["id"]

@@ -14,7 +14,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from shoal.batchify.adapters.base import CLOCK_SKEW_S, Candidate, Results, Route, Snapshot
+from shoal.batchify.adapters.base import Candidate, Results, Route, Snapshot, recent_batches
 from shoal.batchify.adapters.base import jsonl_lines as _lines
 from shoal.batchify.calls import Outcome, Target, json_outcome
 from shoal.batchify.errors import (
@@ -34,6 +34,10 @@ _NOT_RUN: dict[str, type[BatchifyError]] = {
     "batch_expired": BatchExpiredError,
     "batch_cancelled": BatchCancelledError,
 }
+
+
+def _created_at(batch: dict[str, Any]) -> float:
+    return float(batch.get("created_at") or 0)
 
 
 class OpenAIAdapter:
@@ -83,18 +87,10 @@ class OpenAIAdapter:
     async def find_orphans(
         self, http: ProviderHTTP, target: Target, tag: str, n: int, since: float
     ) -> list[Candidate]:
-        found: list[Candidate] = []
-        params: dict[str, Any] = {"limit": 100}
-        while True:
-            page = (await http.send("GET", target, "/batches", params=params)).json()
-            data = page.get("data") or []
-            for b in data:
-                if (b.get("metadata") or {}).get(TAG_KEY) == tag:
-                    found.append(Candidate(b["id"], verified=True))
-            oldest = min((b.get("created_at") or 0 for b in data), default=0)
-            if found or not page.get("has_more") or not data or oldest < since - CLOCK_SKEW_S:
-                return found
-            params["after"] = data[-1]["id"]
+        async for b in recent_batches(http, target, "/batches", since, _created_at, "after"):
+            if (b.get("metadata") or {}).get(TAG_KEY) == tag:
+                return [Candidate(b["id"], verified=True)]
+        return []
 
     async def poll(self, http: ProviderHTTP, target: Target, batch_id: str) -> Snapshot:
         b = (await http.send("GET", target, f"/batches/{batch_id}")).json()
