@@ -16,7 +16,6 @@ from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 
 from shoal.engine.session_files import FilesTier, KVLayout, SessionFiles
-from shoal.errors import CacheCorruptionError
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -77,16 +76,17 @@ class SessionStore(FilesTier):
 
     def load(self, session_id: str, token_ids: list[int]) -> torch.Tensor | None:
         """The session's KV from disk, validated; None (file discarded, warned) if unusable."""
-        try:
-            m, path = self.files.verified(session_id, token_ids)
+
+        def read(path: Path) -> torch.Tensor:
             with safe_open(path, framework="pt") as st:
-                kv = st.get_tensor("kv")
-            if list(kv.shape) != m.shape or str(kv.dtype).removeprefix("torch.") != m.dtype:
-                raise CacheCorruptionError(f"unexpected tensor {kv.dtype} {list(kv.shape)}")
-        except Exception as e:  # an untrusted file: any failure means recompute
-            self.files.discard(session_id, str(e))
-            return None
-        return kv
+                return st.get_tensor("kv")
+
+        return self.files.load(
+            session_id,
+            token_ids,
+            read,
+            lambda kv: (list(kv.shape), str(kv.dtype).removeprefix("torch.")),
+        )
 
     def restore(self, data: torch.Tensor, block_ids: list[int]) -> None:
         scatter_blocks(self.runner.kv_caches(), block_ids, data)

@@ -19,8 +19,10 @@ import mmap
 import tempfile
 import uuid
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import xxhash
 
@@ -28,6 +30,8 @@ from shoal.durable import atomic_write
 from shoal.engine.block_pool import cdiv
 from shoal.engine.sessions import StoredSession
 from shoal.errors import CacheCorruptionError
+
+T = TypeVar("T")
 
 VERSION = 2  # 2: XXH3 checksums (1 used CRC-32)
 
@@ -163,9 +167,32 @@ class SessionFiles:
             raise CacheCorruptionError(f"unreadable: {e}") from e
         return m, path
 
+    def load(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        read: Callable[[Path], T],
+        describe: Callable[[T], tuple[list[int], str]],
+    ) -> T | None:
+        """The session's tensor, read by the backend and checked against its manifest.
+
+        `describe` gives the tensor's shape and dtype name. An untrusted file: any failure
+        discards it (with a warning) and returns None, so the caller recomputes.
+        """
+        try:
+            m, path = self.verified(session_id, token_ids)
+            kv = read(path)
+            shape, dtype = describe(kv)
+            if shape != m.shape or dtype != m.dtype:
+                raise CacheCorruptionError(f"unexpected tensor {dtype} {shape}")
+        except Exception as e:
+            self.discard(session_id, str(e))
+            return None
+        return kv
+
     def discard(self, session_id: str, why: str) -> None:
         warnings.warn(
-            f"session {session_id!r}: unusable KV cache file ({why}); recomputing", stacklevel=3
+            f"session {session_id!r}: unusable KV cache file ({why}); recomputing", stacklevel=4
         )
         self.delete(session_id)
 

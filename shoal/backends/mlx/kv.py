@@ -178,15 +178,12 @@ class BlockData(FilesTier):
 
     def load(self, session_id: str, token_ids: list[int]) -> mx.array | None:
         """The session's KV from disk, validated; None (file discarded, warned) if unusable."""
-        try:
-            m, path = self.files.verified(session_id, token_ids)
-            kv = cast(dict[str, mx.array], mx.load(str(path)))["kv"]
-            if list(kv.shape) != m.shape or dtype_name(kv) != m.dtype:
-                raise CacheCorruptionError(f"unexpected tensor {kv.dtype} {list(kv.shape)}")
-        except Exception as e:  # an untrusted file: any failure means recompute
-            self.files.discard(session_id, str(e))
-            return None
-        return kv
+        return self.files.load(
+            session_id,
+            token_ids,
+            lambda path: cast(dict[str, mx.array], mx.load(str(path)))["kv"],
+            lambda kv: (list(kv.shape), dtype_name(kv)),
+        )
 
     def restore(self, data: mx.array, block_ids: list[int]) -> None:
         layers_, _, blocks, bt, h, d = data.shape
