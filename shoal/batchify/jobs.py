@@ -92,6 +92,7 @@ class Job:
             self.waiting[custom_id(self.tag, i)] = p
         cache = self.env.cache
         lease = self._lease(pending)
+        submitted = False
         try:
             if lease is not None:
                 await lease.acquire()
@@ -101,22 +102,23 @@ class Job:
             self._fault("intent_written")
             items = [(cid, p.call.body) for cid, p in self.waiting.items()]
             batch_id, results = await self._create(items)
+            submitted = True
             self._fault("submitted")
             if cache is not None:
                 await asyncio.to_thread(cache.record, self.tag, batch_id)
             self._fault("recorded")
             await self._finish(batch_id, results, first_delay=True)
-            if lease is not None:
-                await lease.release(None if self.results is None else self.results.values())
         except BatchSubmitError as e:
             if cache is not None:  # nothing exists at the provider: a re-run submits again
                 await asyncio.to_thread(cache.forget, self.tag)
-            if lease is not None:
-                await lease.release(None, submitted=False)
             self._fail(e)
         except BaseException as e:
             self._fail(e)
             raise
+        finally:
+            if lease is not None:
+                done = None if self.results is None else self.results.values()
+                await lease.release(done, submitted=submitted)
 
     async def resume(self) -> None:
         assert self.intent.batch_id is not None

@@ -14,14 +14,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 from shoal.quota.errors import QuotaClosedError, QuotaTransportError
 from shoal.quota.transport import AsyncQuotaAPI
 from shoal.quota.types import CompleteRequest, CompleteResult, ReserveRequest, ReserveResult
 
-Req = TypeVar("Req")
-Res = TypeVar("Res")
 _Queued = tuple[Any, "asyncio.Future[Any]", float]  # item, its caller's future, when queued
 
 

@@ -89,14 +89,22 @@ class QuotaConfig:
     backend: str | None = None  # a backend URL; None: SQLite in the data dir
 
 
-def _number(d: Mapping[str, Any], name: str, default: float | None = None) -> float:
+def positive_number(d: Mapping[str, Any], name: str, default: float | None = None) -> float:
     value = d.get(name, default)
     if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
         raise QuotaInvalidError(f"{name} must be a positive number, got {value!r}")
     return float(value)
 
 
-def _check_fields(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
+def positive_int(d: Mapping[str, Any], name: str) -> int | None:
+    """`d[name]`, an integer >= 1, or None when absent."""
+    value = d.get(name)
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise QuotaInvalidError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def check_fields(d: Mapping[str, Any], allowed: set[str], where: str) -> None:
     unknown = sorted(set(d) - allowed)
     if unknown:
         raise QuotaInvalidError(f"unknown field(s) in {where}: {', '.join(unknown)}")
@@ -106,7 +114,7 @@ def parse_limit(d: Any, policy: LeasePolicy) -> Limit:
     """One limit from a TOML table or a JSON object; raises `QuotaInvalidError`."""
     if not isinstance(d, Mapping):
         raise QuotaInvalidError("a limit must be an object")
-    _check_fields(d, {"key", "kind", "capacity", "window_s"}, "limit")
+    check_fields(d, {"key", "kind", "capacity", "window_s"}, "limit")
     key = d.get("key")
     if not isinstance(key, str) or not KEY_PATTERN.fullmatch(key):
         raise QuotaInvalidError(f"limit key must be 1-200 printable characters: {key!r}")
@@ -121,35 +129,39 @@ def parse_limit(d: Any, policy: LeasePolicy) -> Limit:
         raise QuotaInvalidError(f"limit {key}: capacity must be in 1..{MAX_AMOUNT}")
     if kind is LimitKind.RATE and "window_s" not in d:
         raise QuotaInvalidError(f"limit {key}: a rate limit needs window_s")
-    window = _number(d, "window_s", policy.ttl_s)
+    window = positive_number(d, "window_s", policy.ttl_s)
     return Limit(key=key, kind=kind, capacity=capacity, window_s=window)
 
 
 def parse_config(d: Mapping[str, Any]) -> QuotaConfig:
-    _check_fields(
+    check_fields(
         d, {"limit", "lease_ttl_s", "concurrency_retry_s", "max_batch", "backend"}, "config"
     )
     policy = LeasePolicy(
-        ttl_s=_number(d, "lease_ttl_s", _DEFAULT_POLICY.ttl_s),
-        concurrency_retry_s=_number(d, "concurrency_retry_s", _DEFAULT_POLICY.concurrency_retry_s),
+        ttl_s=positive_number(d, "lease_ttl_s", _DEFAULT_POLICY.ttl_s),
+        concurrency_retry_s=positive_number(
+            d, "concurrency_retry_s", _DEFAULT_POLICY.concurrency_retry_s
+        ),
     )
     limits = tuple(parse_limit(x, policy) for x in d.get("limit", []))
     keys = [lim.key for lim in limits]
     if len(set(keys)) != len(keys):
         raise QuotaInvalidError("a limit key is declared twice")
-    max_batch = d.get("max_batch", 256)
-    if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-        raise QuotaInvalidError("max_batch must be a positive integer")
+    max_batch = positive_int(d, "max_batch") or 256
     backend = d.get("backend")
     if backend is not None and not isinstance(backend, str):
         raise QuotaInvalidError("backend must be a URL string")
     return QuotaConfig(limits=limits, policy=policy, max_batch=max_batch, backend=backend)
 
 
-def load_config(path: str | Path) -> QuotaConfig:
-    """Read a limits file; a bad file raises `QuotaInvalidError` naming the problem."""
+def read_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML file's tables; bad TOML raises `QuotaInvalidError` naming the file."""
     try:
-        data = tomllib.loads(Path(path).read_text())
+        return tomllib.loads(Path(path).read_text())
     except tomllib.TOMLDecodeError as e:
         raise QuotaInvalidError(f"{path}: {e}") from e
-    return parse_config(data)
+
+
+def load_config(path: str | Path) -> QuotaConfig:
+    """Read a limits file; a bad file raises `QuotaInvalidError` naming the problem."""
+    return parse_config(read_toml(path))

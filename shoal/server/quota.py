@@ -21,7 +21,6 @@ import hashlib
 import logging
 import math
 import re
-import tomllib
 from collections.abc import AsyncGenerator, Mapping
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -38,13 +37,18 @@ from shoal.quota import (
     LimitKind,
     QuotaConfig,
     QuotaError,
-    QuotaInvalidError,
     QuotaService,
     Requirement,
     ReserveRequest,
     new_lease_id,
 )
-from shoal.quota.limits import parse_config
+from shoal.quota.limits import (
+    check_fields,
+    parse_config,
+    positive_int,
+    positive_number,
+    read_toml,
+)
 from shoal.server import formatting as fmt
 from shoal.server.errors import APIError
 from shoal.server.serving import Prepared
@@ -65,25 +69,17 @@ class ServeBudget:
 
 
 def _budget(table: Mapping[str, Any]) -> ServeBudget:
-    unknown = set(table) - {"rpm", "tpm", "window_s"}
-    if unknown:
-        raise QuotaInvalidError(f"unknown field(s) in [serve]: {', '.join(sorted(unknown))}")
-    for name in ("rpm", "tpm"):
-        value = table.get(name)
-        if value is not None and (type(value) is not int or value < 1):
-            raise QuotaInvalidError(f"[serve] {name} must be a positive integer")
-    window = table.get("window_s", 60)
-    if isinstance(window, bool) or not isinstance(window, int | float) or window <= 0:
-        raise QuotaInvalidError("[serve] window_s must be a positive number")
-    return ServeBudget(table.get("rpm"), table.get("tpm"), float(window))
+    check_fields(table, {"rpm", "tpm", "window_s"}, "[serve]")
+    return ServeBudget(
+        positive_int(table, "rpm"),
+        positive_int(table, "tpm"),
+        positive_number(table, "window_s", 60),
+    )
 
 
 def read_config(path: str | Path) -> tuple[QuotaConfig, ServeBudget]:
     """CONFIG's limits and its [serve] budget; raises `QuotaInvalidError` or `OSError`."""
-    try:
-        data = tomllib.loads(Path(path).read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise QuotaInvalidError(f"{path}: {e}") from e
+    data = read_toml(path)
     budget = _budget(data.pop("serve", {}))
     return parse_config(data), budget
 

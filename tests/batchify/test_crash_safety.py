@@ -14,7 +14,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import batch_ids, chat_kw
+from batchify_helpers import batch_ids, chat_kw
 from resume_client import PROMPTS
 from server_harness import LiveServer
 

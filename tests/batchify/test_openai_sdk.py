@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import batch_ids, chat_kw
+from batchify_helpers import batch_ids, chat_kw
 from openai.types.chat import ChatCompletion
 from server_harness import LiveServer
 

@@ -13,7 +13,7 @@ import anthropic
 import httpx
 import openai
 import pytest
-from conftest import FAST
+from batchify_helpers import FAST
 from fake_providers import FakeAnthropic, FakeOpenAI
 
 from shoal.batchify import BatchCancelledError, BatchExpiredError, batchify

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import FAST
+from batchify_helpers import FAST
 from fake_providers import FakeOpenAI
 
 from shoal.batchify import BatchSpec, BatchSubmitError, QuotaPolicy, batchify

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
-from conftest import batch_ids, chat_kw
+from batchify_helpers import batch_ids, chat_kw
 from server_harness import LiveServer
 from sync_script import PROMPTS
 

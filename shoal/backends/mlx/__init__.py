@@ -9,13 +9,10 @@ from shoal.backends.mlx.blas import preload_openblas
 
 BLAS = preload_openblas()
 
-from shoal.backends.mlx.engine import (  # noqa: E402  (after the BLAS preload)
-    AgentBlocks,
-    BlockPoolBatchEngine,
-    CompletedGeneration,
-)
+from shoal.backends.mlx.engine import BlockPoolBatchEngine  # noqa: E402  (after the BLAS preload)
 from shoal.backends.mlx.kv import ModelCacheSpec  # noqa: E402
 from shoal.backends.mlx.loader import MLXModel, load_gguf  # noqa: E402
+from shoal.backends.mlx.outputs import AgentBlocks, CompletedGeneration  # noqa: E402
 
 __all__ = [
     "BLAS",

@@ -33,6 +33,7 @@ from typing import Any
 from mlx_lm.generate import BatchGenerator
 
 from shoal.backends.mlx.kv import BlockData, ModelCacheSpec, as_caches
+from shoal.backends.mlx.outputs import AgentBlocks, CompletedGeneration
 from shoal.backends.mlx.sampling import make_sampler, sampled, seed_key
 from shoal.engine.block_pool import BlockPool, cdiv
 from shoal.engine.detokenizer import Detokenizer
@@ -48,32 +49,6 @@ from shoal.errors import (
     PromptTooLongError,
 )
 from shoal.sampling_params import SamplingParams
-
-
-@dataclass(slots=True, frozen=True)
-class AgentBlocks:
-    """An agent's KV after a turn: the tokens it holds and the pool blocks holding them."""
-
-    agent_id: str
-    token_ids: tuple[int, ...]
-    block_ids: tuple[int, ...]
-    block_tokens: int
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(slots=True)
-class CompletedGeneration:
-    uid: int
-    agent_id: str
-    text: str
-    token_ids: list[int]  # generated, a stop token included
-    blocks: AgentBlocks
-    finish_reason: str  # "stop", "length", "pool_exhausted" or "abort"
-    token_count: int
-    num_cached_tokens: int  # prompt tokens served from the agent's KV
 
 
 @dataclass(slots=True, eq=False)

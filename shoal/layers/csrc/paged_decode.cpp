@@ -128,8 +128,8 @@ void decode(const T* q, const KV* kc, const KV* vc, const int64_t* tables, const
                        const int64_t* lens, T* out, int64_t batch, int64_t heads,             \
                        int64_t kv_heads, int64_t dim, int64_t block_size, int64_t max_blocks, \
                        double scale, int64_t num_threads) {                                   \
-    decode<T, KV>(q, kc, vc, tables, lens, out, batch,                                            \
-              Shape{heads, kv_heads, dim, block_size, max_blocks}, scale, num_threads);       \
+    decode<T, KV>(q, kc, vc, tables, lens, out, batch,                                        \
+                  Shape{heads, kv_heads, dim, block_size, max_blocks}, scale, num_threads);   \
   }
 
 SHOAL_DECODE(paged_decode_f32, float, float)

@@ -9,7 +9,7 @@ where the real weights matter (`test_smollm2_mlx.py`).
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +24,12 @@ from shoal.backends.mlx import BlockPoolBatchEngine, ModelCacheSpec
 # isort: split
 import mlx.core as mx
 from mlx.utils import tree_map
-from mlx_helpers import write_tiny_gguf
+from mlx_helpers import EngineFactory, write_tiny_gguf
 from mlx_lm.models import llama
 
 from shoal.engine.block_pool import BlockPool
 from shoal.models.files import bundled_model_path, gguf_metadata
 
-EngineFactory = Callable[..., BlockPoolBatchEngine]
 TINY_VOCAB = 1024  # SmolLM2's first ids: its tokenizer decodes what the tiny model says
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,8 @@ from shoal.backends.mlx import BlockPoolBatchEngine
 import mlx.core as mx
 
 from shoal.models.files import bundled_model_path
+
+EngineFactory = Callable[..., BlockPoolBatchEngine]
 
 
 def run(engine: BlockPoolBatchEngine, max_steps: int = 10_000) -> dict[int, Any]:

@@ -10,8 +10,7 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
-from conftest import EngineFactory
-from mlx_helpers import run
+from mlx_helpers import EngineFactory, run
 from mlx_lm.generate import generate_step
 
 from shoal.backends.mlx import AgentBlocks
