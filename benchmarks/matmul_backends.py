@@ -1,9 +1,10 @@
 """Which matrix-product path is fastest for the engine's shapes on this CPU?
 
-Compares torch's default `F.linear`, NumPy (OpenBLAS), oneDNN with a prepacked weight and
-shoal's own kernel (`shoal/layers/csrc/gemm.cpp`) with a float32 and a bfloat16 weight, on
+Compares torch's default `F.linear`, NumPy (OpenBLAS), oneDNN with a prepacked weight (float32,
+and bfloat16 x bfloat16, which runs VDPBF16PS or AMX where the CPU has them) and shoal's own
+kernel (`shoal/layers/csrc/gemm.cpp`, AVX2 + FMA) with a float32 and a bfloat16 weight, on
 SmolLM2-135M's projection shapes at decode (64 rows) and prefill (512 rows) sizes, in GFLOP/s
-against the CPU's float32 peak.
+against the CPU's float32 peak (bfloat16 dot products peak at twice that).
 
     .venv/bin/python benchmarks/matmul_backends.py
 """
@@ -16,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from shoal.bench import cpu_info
-from shoal.layers import cpu_kernels
+from shoal.layers import cpu_kernels, linear
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 
@@ -35,14 +36,18 @@ def main() -> None:
     cpu = cpu_info()
     print(f"{cpu.describe()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")
     print("GFLOP/s (median of 10)")
-    names = ["F.linear", "numpy", "oneDNN", "shoal f32", "shoal bf16w"]
+    names = ["F.linear", "numpy", "oneDNN", "oneDNN bf16", "shoal f32", "shoal bf16w"]
     print(f"{'rows':>5} {'in':>5} {'out':>6} " + " ".join(f"{n:>11}" for n in names))
-    gemm = cpu_kernels.gemm_available(torch.float32)
+    kernels = cpu_kernels.native()
+    gemm = kernels is not None and kernels.has_gemm(torch.float32)
+    bf16 = linear.onednn_packs(torch.bfloat16)
     for rows in (64, 512):
         for k, n in SHAPES:
             x, w = torch.randn(rows, k), torch.randn(n, k)
             xn, wt = x.numpy(), w.numpy().T
             packed = torch.ops.mkldnn._reorder_linear_weight(w, rows)
+            xb, wb = x.bfloat16(), w.bfloat16()
+            packed16 = torch.ops.mkldnn._reorder_linear_weight(wb, rows) if bf16 else None
             flop = 2.0 * rows * k * n
             fns: list[Callable[[], object] | None] = [
                 lambda x=x, w=w: torch.nn.functional.linear(x, w),
@@ -52,11 +57,16 @@ def main() -> None:
                 ),
                 None,
                 None,
+                None,
             ]
-            if gemm:
-                p32, p16 = cpu_kernels.pack_weight(w), cpu_kernels.pack_weight(w.bfloat16())
-                fns[3] = lambda x=x, p=p32, n=n: cpu_kernels.gemm(x, p, n, None)
-                fns[4] = lambda x=x, p=p16, n=n: cpu_kernels.gemm(x, p, n, None)
+            if packed16 is not None:
+                fns[3] = lambda x=xb, p=packed16: torch.ops.mkldnn._linear_pointwise(
+                    x, p, None, "none", [], ""
+                )
+            if gemm and kernels is not None:
+                p32, p16 = cpu_kernels.pack_weight(w), cpu_kernels.pack_weight(wb)
+                fns[4] = lambda x=x, p=p32, n=n, k=kernels: k.gemm(x, p, n, None)
+                fns[5] = lambda x=x, p=p16, n=n, k=kernels: k.gemm(x, p, n, None)
             cells = [f"{gflops(f, flop):>11.0f}" if f else f"{'-':>11}" for f in fns]
             print(f"{rows:>5} {k:>5} {n:>6} " + " ".join(cells))
 

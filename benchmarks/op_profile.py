@@ -7,11 +7,16 @@ are a few hundred calls a step, so the profile barely moves the figure it explai
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
+
+import torch
 
 from shoal.bench import Flops
 
@@ -63,7 +68,9 @@ class OpProfile:
 def profiled(llm: Any) -> Iterator[OpProfile]:
     """Patch the engine of `llm` (and the layer modules) for the duration of the block."""
     from shoal.engine import model_runner
-    from shoal.layers import attention, cpu_kernels, linear
+    from shoal.layers import attention, linear
+    from shoal.layers.cpu_kernels import CpuKernels
+    from shoal.layers.norm import RMSNorm
     from shoal.models import llama
 
     prof = OpProfile()
@@ -73,11 +80,16 @@ def profiled(llm: Any) -> Iterator[OpProfile]:
     patches: list[tuple[Any, str, Any]] = [
         (engine, "step", "engine step (Python)"),
         (runner, "execute", "runner: inputs, metadata, glue"),
-        (model, "forward", "norms, rotary, SiLU, residuals"),
+        (model, "forward", "embedding, layer glue"),
         (model_runner, "sample", "sampling"),
-        (llama, "paged_attention", "KV writes, attention glue"),
+        (RMSNorm, "forward", "norms + residual adds"),
+        (RMSNorm, "add_forward", "norms + residual adds"),
+        (llama.MLP, "forward", "SiLU x up"),
+        (llama, "rope_and_store", "rotary + KV writes"),
+        (llama, "paged_attention", "attention glue"),
         (attention, "prefill_attention", "attention prefill"),
-        (cpu_kernels, "paged_decode", "attention decode"),
+        (CpuKernels, "paged_decode", "attention decode"),
+        (CpuKernels, "paged_prefill", "attention prefill"),
         (attention, "_gathered_decode", "attention decode"),
         (
             linear.Linear,
@@ -106,3 +118,62 @@ def profiled(llm: Any) -> Iterator[OpProfile]:
                 delattr(obj, name)
             else:
                 setattr(obj, name, old)
+
+
+def onednn_kernel(dtype: str) -> str:
+    """The implementation oneDNN picks for a packed product in `dtype` on this CPU, as its
+    verbose log names it (`brg_matmul:avx512_core_bf16` on a Zen 4), from a child process."""
+    code = (
+        "import torch\n"
+        f"w = torch.ones(64, 64, dtype=torch.{dtype})\n"
+        "p = torch.ops.mkldnn._reorder_linear_weight(w, 8)\n"
+        "torch.ops.mkldnn._linear_pointwise(w[:8].contiguous(), p, None, 'none', [], '')\n"
+    )
+    env = {**os.environ, "ONEDNN_VERBOSE": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=False
+    ).stdout
+    for line in out.splitlines():
+        fields = line.split(",")
+        if "exec" in fields and "inner_product" in fields:
+            return fields[fields.index("inner_product") + 1]
+    return "not run"
+
+
+def describe_paths(llm: Any) -> list[str]:
+    """Which implementation each kind of op takes in this engine, on this CPU."""
+    from shoal.layers import cpu_kernels, linear
+
+    model = llm.engine.runner.model
+    act, weight = model.act_dtype, model.lm_head.weight.dtype
+    kv = model.attention_layers[0].k_cache.dtype
+    kernels = cpu_kernels.native()
+    isa = "none (pure torch)" if kernels is None else f"{kernels.isa} (-march=native)"
+    path = linear.projection_path(act, weight)
+    if path == "onednn":
+        path += f" {onednn_kernel(str(act).removeprefix('torch.'))}"
+    decode_q = torch.float32 if act == torch.bfloat16 else act
+    decode = kernels is not None and kernels.decodes(decode_q, kv)
+    prefill = kernels is not None and kernels.prefills(act, kv)
+    return [
+        f"  activations {act}, weights {weight}, KV cache {kv}; C++ kernels: {isa}",
+        f"  projections + LM head: {path}",
+        "  decode attention: "
+        + ("C++ paged kernel" if decode else "torch gather + SDPA")
+        + f" ({decode_q} over {kv} KV)",
+        "  prefill attention: "
+        + (
+            "C++ paged flash kernel"
+            if prefill
+            else ("tiled oneDNN products" if attention_tiles(act) else "torch SDPA")
+            + " for large chunks, SDPA for small ones"
+        ),
+        "  norms, SiLU x up, rotary + KV writes: "
+        + ("C++ fused kernels" if kernels is not None and kernels.elementwise(act) else "torch"),
+    ]
+
+
+def attention_tiles(dtype: torch.dtype) -> bool:
+    from shoal.layers import attention
+
+    return attention.tiles_on_cpu(dtype)

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import llamacpp_peer
 import torch
-from op_profile import profiled
+from op_profile import describe_paths, profiled
 
 from shoal import LLM, SamplingParams
 from shoal.bench import Workload, cpu_info, w1_workload, workload_flops
@@ -44,6 +44,7 @@ def run_shoal(work: Workload, dtype: str) -> tuple[float, list[list[int]], Model
         elapsed = time.perf_counter() - start
     print("shoal per-op profile (exclusive wall time; GFLOP/s of the schedule actually run):")
     print("\n".join(prof.report()), flush=True)
+    print("shoal paths on this CPU:\n" + "\n".join(describe_paths(llm)), flush=True)
     rate = sum(len(o.token_ids) for o in outs) / elapsed
     return rate, [o.token_ids for o in outs], llm.engine.model_config
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save as save_tensors
 
 from shoal.engine.session_files import FilesTier, KVLayout, SessionFiles
+from shoal.layers import cpu_kernels
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -28,33 +29,34 @@ class BlockSource(Protocol):
     def copy_block(self, src: int, dst: int) -> None: ...
 
 
+def _flat(caches: KVCaches) -> list[torch.Tensor]:
+    return [c for pair in caches for c in pair]
+
+
 @torch.inference_mode()
 def gather_blocks(caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """KV of `block_ids` in every layer, `[layers, 2, blocks, ...]`, on the CPU."""
+    kernels = cpu_kernels.for_tensor(caches[0][0])
+    if kernels is not None:
+        out = kernels.gather_blocks(_flat(caches), torch.tensor(block_ids))
+        return out.view(len(caches), 2, *out.shape[1:])
     idx = torch.tensor(block_ids, device=caches[0][0].device)
     return torch.stack([torch.stack((k[idx], v[idx])) for k, v in caches]).cpu()
 
 
 @torch.inference_mode()
 def scatter_blocks(caches: KVCaches, block_ids: list[int], kv: torch.Tensor) -> None:
-    """Write `kv` (from `gather_blocks`) into `block_ids`: slice copies over contiguous runs."""
-    kv = kv.to(caches[0][0].device)
-    runs: list[list[int]] = []  # [first block, first row of kv, length]
-    for row, b in enumerate(block_ids):
-        if runs and runs[-1][0] + runs[-1][2] == b:
-            runs[-1][2] += 1
-        else:
-            runs.append([b, row, 1])
-    if len(runs) > 4:  # scattered blocks: one indexed write per layer beats many small copies
-        idx = torch.tensor(block_ids, device=kv.device)
-        for i, (k, v) in enumerate(caches):
-            k[idx] = kv[i, 0]
-            v[idx] = kv[i, 1]
+    """Write `kv` (from `gather_blocks`) into `block_ids` of every layer: on the CPU, one C++
+    call copies every block wherever it lies; elsewhere one indexed write per cache."""
+    kernels = cpu_kernels.for_tensor(caches[0][0])
+    if kernels is not None:
+        kernels.scatter_blocks(kv.contiguous(), _flat(caches), torch.tensor(block_ids))
         return
+    idx = torch.tensor(block_ids, device=caches[0][0].device)
+    kv = kv.to(caches[0][0].device)
     for i, (k, v) in enumerate(caches):
-        for dst, src, n in runs:
-            k[dst : dst + n].copy_(kv[i, 0, src : src + n])
-            v[dst : dst + n].copy_(kv[i, 1, src : src + n])
+        k[idx] = kv[i, 0]
+        v[idx] = kv[i, 1]
 
 
 class SessionStore(FilesTier):

@@ -1,10 +1,10 @@
 """Paged attention over a block-structured KV cache, in plain PyTorch.
 
-The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step writes the
-new keys and values to their slots, then every query attends to its own sequence's blocks:
-decodes in one call (the C++ kernel reads blocks in place; the torch fallback gathers them
-into a padded batch), prefill chunks one sequence at a time, causally, after the tokens
-already cached.
+The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step rotates the
+new queries and keys and writes the new keys and values to their slots (`rope_and_store`, one
+C++ pass on the CPU), then every query attends to its own sequence's blocks: decodes in one
+call (the C++ kernel reads blocks in place; the torch fallback gathers them into a padded
+batch), prefill chunks one sequence at a time, causally, after the tokens already cached.
 
 Prefill on CPU is two matrix products per KV head through oneDNN, with the query heads that
 share a KV head stacked into one operand (grouped-query packing) and the query rows tiled so
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels
-from shoal.layers.linear import matmul_nt
+from shoal.layers.linear import matmul_nt, native_bf16_products
+from shoal.layers.rotary import Rope, rotate
 
 _SCORE_TILE_ELEMS = 1 << 20  # scores per tile (4 MiB in float32): kept in L2 on the reference CPU
 # Below this many query-key pairs the fixed cost of the per-head oneDNN calls (tens of
@@ -47,6 +48,46 @@ class AttentionMetadata:
     decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks]
     decode_lens: torch.Tensor | None  # [num_decodes] tokens each decode attends to
     prefills: list[PrefillChunk]
+    # The same chunks for the C++ kernel: (q_start, q_len, context_len) rows and block tables.
+    prefill_spans: torch.Tensor | None = None  # [num_prefills, 3]
+    prefill_tables: torch.Tensor | None = None  # [num_prefills, max_blocks]
+
+
+def rope_and_store(
+    qkv: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    rope: Rope,
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate the q and k heads of the `[T, (heads + 2 kv_heads) * head_dim]` projection and
+    write k and v to their cache slots (rounded to the cache's dtype). Returns q, k, v views
+    `[T, heads or kv_heads, head_dim]`."""
+    t, head_dim = qkv.shape[0], k_cache.shape[-1]
+    kernels = cpu_kernels.for_tensor(qkv)
+    if kernels is not None and qkv.stride(1) == 1 and kernels.ropes(qkv.dtype, k_cache.dtype):
+        table = rope.table
+        kernels.rope_store(
+            qkv,
+            heads,
+            kv_heads,
+            table.cos,
+            table.sin,
+            rope.positions,
+            meta.slot_mapping,
+            k_cache,
+            v_cache,
+        )
+        split = qkv.view(t, heads + 2 * kv_heads, head_dim).split([heads, kv_heads, kv_heads], 1)
+        return split[0], split[1], split[2]
+    qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(t, heads + kv_heads, head_dim)
+    q, k = rotate(qk, rope.rows(qkv.dtype)).split([heads, kv_heads], dim=1)
+    v = qkv[:, (heads + kv_heads) * head_dim :].reshape(t, kv_heads, head_dim)
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    return q, k, v
 
 
 def paged_attention(
@@ -58,31 +99,60 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D]. Returns [T, H, D].
+    """q: [T, H, D]; k, v: [T, KVH, D], already in the cache (`rope_and_store`). Returns
+    [T, H, D].
 
-    The cache may be narrower than q (bfloat16 KV under float32 activations on the CPU): new
-    keys and values are rounded into it, and cached ones widened when read."""
-    kv_heads, head_dim = k_cache.shape[2:]
-    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+    The cache may be narrower than q (bfloat16 KV under float32 activations on the CPU): cached
+    keys and values are widened when read. On the CPU both decodes and prefill chunks attend
+    through C++ kernels that read the blocks in place."""
     out = torch.empty_like(q)
 
     b = meta.num_decodes
     if b:
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
-        if cpu_kernels.paged_decode_available(q, k_cache.dtype):
-            cpu_kernels.paged_decode(
-                q[:b].contiguous(),
-                k_cache,
-                v_cache,
-                meta.decode_block_tables,
-                meta.decode_lens,
-                out[:b],
-                scale,
+        kernels = cpu_kernels.native() if q.device.type == "cpu" else None
+        # The kernel computes in float32 (float64 for float64): bfloat16 queries are widened.
+        q_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
+        if kernels is not None and kernels.decodes(q_dtype, k_cache.dtype):
+            widened = q_dtype != q.dtype
+            dq = q[:b].to(q_dtype).contiguous()
+            dout = torch.empty_like(dq) if widened else out[:b]
+            kernels.paged_decode(
+                dq, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, dout, scale
             )
+            if widened:
+                out[:b] = dout
         else:
             out[:b] = _gathered_decode(q[:b], k_cache, v_cache, meta, scale)
 
+    if meta.prefills:
+        kernels = cpu_kernels.native() if q.device.type == "cpu" else None
+        if (
+            kernels is not None
+            and meta.prefill_spans is not None
+            and meta.prefill_tables is not None
+            and kernels.prefills(q.dtype, k_cache.dtype)
+        ):
+            kernels.paged_prefill(
+                q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, out, scale
+            )
+        else:
+            _prefill_in_torch(q, k, v, k_cache, v_cache, meta, out, scale)
+    return out
+
+
+def _prefill_in_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    out: torch.Tensor,
+    scale: float,
+) -> None:
+    """Each chunk attends over its gathered context (its own keys straight from k, v)."""
+    kv_heads, head_dim = k_cache.shape[2:]
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_start + chunk.q_len)
         if chunk.context_len == chunk.q_len:  # nothing cached before the chunk
@@ -92,7 +162,6 @@ def paged_attention(
             keys = k_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
             values = v_cache[chunk.block_ids].view(-1, kv_heads, head_dim)[:ctx].to(q.dtype)
         out[rows] = prefill_attention(q[rows], keys, values, scale)
-    return out
 
 
 def prefill_attention(
@@ -100,10 +169,18 @@ def prefill_attention(
 ) -> torch.Tensor:
     """Causal attention of q `[L, H, D]`, the last L of C positions, over keys and values
     `[C, KVH, D]`. Returns `[L, H, D]`."""
-    on_cpu = q.device.type == "cpu" and q.dtype in (torch.float32, torch.float64)
+    on_cpu = q.device.type == "cpu" and tiles_on_cpu(q.dtype)
     if on_cpu and q.shape[0] * keys.shape[0] >= _MIN_TILED_PAIRS:
         return _tiled_prefill(q, keys, values, scale)
     return _sdpa_prefill(q, keys, values, scale)
+
+
+def tiles_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether large CPU prefill chunks of `dtype` run as tiled oneDNN products: float32 and
+    float64 always, bfloat16 where the CPU multiplies it natively."""
+    return dtype in (torch.float32, torch.float64) or (
+        dtype == torch.bfloat16 and native_bf16_products()
+    )
 
 
 def _tiled_prefill(

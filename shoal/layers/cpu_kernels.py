@@ -1,12 +1,18 @@
 """The C++ CPU kernels: compiled with the system's C++ compiler on first use, called by ctypes.
 
 No torch headers are involved, so a build takes a few seconds; the library is cached under
-`$SHOAL_CACHE_DIR` (default `~/.cache/shoal`) keyed by sources, compiler and CPU. Without a
-compiler (or with `SHOAL_DISABLE_CPU_KERNELS=1`) callers fall back to the pure-torch path.
-Fast math lets the softmax use vector `exp` (about 1.5x on the kernel); its inputs are finite
-attention scores, so nothing relies on IEEE special cases. The kernels parallelize with OpenMP
-and link `libgomp.so.1`, which resolves to the copy torch has already loaded: one thread pool.
-The matrix products need AVX2 and FMA; on other CPUs only the attention kernel is used.
+`$SHOAL_CACHE_DIR` (default `~/.cache/shoal`) keyed by sources, compiler, target and CPU.
+Without a compiler (or with `SHOAL_DISABLE_CPU_KERNELS=1`) callers fall back to pure torch.
+
+The engine uses the build for `-march=native`: the compiler picks the vector ISA this CPU has
+(AVX-512, AVX2 + FMA, Arm's NEON/SVE), and `csrc/simd.h` adds explicit vector code for the first
+two; `CpuKernels.isa` says which one a build holds. Other targets can be built on the same
+machine (`build("x86-64-v3")` is the AVX2 + FMA path), which is how the tests run every path
+this CPU can execute. The matrix products need AVX2 + FMA and exist only in such builds.
+
+Fast math lets the softmax use vector `exp`; its inputs are finite attention scores, so nothing
+relies on IEEE special cases. The kernels parallelize with OpenMP and link `libgomp.so.1`,
+which resolves to the copy torch has already loaded: one thread pool.
 """
 
 from __future__ import annotations
@@ -16,97 +22,366 @@ import functools
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from shoal.config import cache_root
+from shoal.layers.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-# Compile with fast math (vector `exp` in the softmax) but link without it: linking with
-# -ffast-math would pull in crtfastmath.o, which flushes subnormals for the whole process.
-_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
+_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "gemm.cpp", "elementwise.cpp", "blocks.cpp")
+# Compile with fast math (vector `exp`) but link without it: linking with -ffast-math would pull
+# in crtfastmath.o, which flushes subnormals for the whole process.
+_COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
 _LINK = ["-shared", "-pthread", "-fopenmp"]
-_DECODE_FUNCS = {  # (query dtype, KV cache dtype)
+PANEL = 16  # output columns per packed weight panel (gemm.cpp's NR)
+
+_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
+_DECODE_ARGS = [_P] * 6 + [_I] * 6 + [_D, _I]
+_PREFILL_ARGS = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _D, _I]
+_GEMM_ARGS = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I]
+_ROPE_ARGS = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I]
+_SIGNATURES: dict[str, list[Any]] = {
+    "paged_decode_f32": _DECODE_ARGS,
+    "paged_decode_f64": _DECODE_ARGS,
+    "paged_decode_f32_bf16kv": _DECODE_ARGS,
+    "paged_prefill_f32": _PREFILL_ARGS,
+    "paged_prefill_f64": _PREFILL_ARGS,
+    "paged_prefill_bf16": _PREFILL_ARGS,
+    "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
+    "gemm_f32": _GEMM_ARGS,
+    "gemm_bf16w": _GEMM_ARGS,
+    "rope_store_f32_bf16kv": _ROPE_ARGS,
+    "scatter_blocks": [_P, _P, _I, _P, _I, _I, _I],
+    "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
+}
+_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
+for _s in _SUFFIX.values():
+    _SIGNATURES[f"rms_norm_{_s}"] = [_P, _I, _P, _P, _P, _I, _I, _D, _I]
+    _SIGNATURES[f"silu_mul_{_s}"] = [_P, _I, _P, _I, _I, _I]
+    _SIGNATURES[f"rope_store_{_s}"] = _ROPE_ARGS
+_DECODE = {  # (query dtype, KV cache dtype)
     (torch.float32, torch.float32): "paged_decode_f32",
     (torch.float64, torch.float64): "paged_decode_f64",
     (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
 }
-_GEMM_FUNCS = {torch.float32: "gemm_f32", torch.bfloat16: "gemm_bf16w"}
-PANEL = 16  # output columns per packed weight panel (gemm.cpp's NR)
+_PREFILL = {  # (query dtype, KV cache dtype)
+    (torch.float32, torch.float32): "paged_prefill_f32",
+    (torch.float64, torch.float64): "paged_prefill_f64",
+    (torch.bfloat16, torch.bfloat16): "paged_prefill_bf16",
+    (torch.float32, torch.bfloat16): "paged_prefill_f32_bf16kv",
+}
+_GEMM = {torch.float32: "gemm_f32", torch.bfloat16: "gemm_bf16w"}
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
-def _sources() -> list[Path]:
-    """The attention kernel everywhere; the matrix products only where AVX2 and FMA exist."""
-    has_gemm = platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= _cpu_flags()
-    return [_CSRC / "paged_decode.cpp", *([_CSRC / "gemm.cpp"] if has_gemm else [])]
+def _threads() -> int:
+    return torch.get_num_threads()
 
 
-def _build(cxx: str, sources: list[Path], lib_path: Path) -> None:
+class CpuKernels:
+    """One build of the kernels, with typed entry points. Tensors must be on the CPU."""
+
+    def __init__(self, lib: ctypes.CDLL, march: str) -> None:
+        self.lib, self.march = lib, march
+        lib.shoal_isa.restype = ctypes.c_char_p
+        self.isa: str = lib.shoal_isa().decode()
+        for name, args in _SIGNATURES.items():
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn.restype, fn.argtypes = None, args
+
+    def _fn(self, name: str) -> Any:
+        return getattr(self.lib, name)
+
+    # -- dense projections (AVX2 + FMA builds) ------------------------------------------------
+    def has_gemm(self, weight_dtype: torch.dtype) -> bool:
+        """Whether float32 activations meet a packed weight of this dtype here."""
+        return hasattr(self.lib, _GEMM.get(weight_dtype, "-"))
+
+    def gemm(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x @ W.T + bias` for float32 rows `x` `[M, K]` and a weight packed by `pack_weight`."""
+        assert x.dtype == torch.float32 and x.dim() == 2
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        assert packed.shape[1] == k and (bias is None or bias.dtype == torch.float32)
+        # Rows a multiple of 1 KiB apart map to the same few cache sets, and the kernel writes
+        # a 16-column strip down all rows at once: SmolLM2's LM head (49152 columns) ran 3x
+        # slower.
+        ldc = n + PANEL if n % 256 == 0 else n
+        out = torch.empty(m, ldc, dtype=torch.float32)[:, :n]
+        self._fn(_GEMM[packed.dtype])(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            packed.data_ptr(),
+            n,
+            out.data_ptr(),
+            ldc,
+            _ptr(bias),
+            _threads(),
+        )
+        return out
+
+    # -- decode attention -----------------------------------------------------------------------
+    def decodes(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        return (q_dtype, kv_dtype) in _DECODE
+
+    def paged_decode(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """out[b] = attention of q[b] ([heads, dim]) over the first context_lens[b] cached
+        tokens, read in place from the blocks of block_tables[b]."""
+        for t in (q, k_cache, v_cache, block_tables, context_lens, out):
+            assert t.is_contiguous()
+        batch, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        self._fn(_DECODE[q.dtype, k_cache.dtype])(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            block_tables.data_ptr(),
+            context_lens.data_ptr(),
+            out.data_ptr(),
+            batch,
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            _threads(),
+        )
+
+    def prefills(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        return (q_dtype, kv_dtype) in _PREFILL
+
+    def paged_prefill(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        spans: torch.Tensor,
+        block_tables: torch.Tensor,
+        out: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """Causal attention of every prefill chunk of a step, keys and values read in place.
+
+        `spans[i] = (first row, query tokens, context length)` of chunk i, whose queries are
+        the last of its context's positions; `block_tables[i]` holds its sequence's blocks.
+        `q` and `out` are `[T, heads, dim]` with contiguous heads; token rows may be strided.
+        """
+        for t in (k_cache, v_cache, spans, block_tables):
+            assert t.is_contiguous()
+        for t in (q, out):
+            assert t.stride(2) == 1 and t.stride(1) == t.shape[2]
+        _, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        self._fn(_PREFILL[q.dtype, k_cache.dtype])(
+            q.data_ptr(),
+            q.stride(0),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            spans.data_ptr(),
+            block_tables.data_ptr(),
+            spans.shape[0],
+            out.data_ptr(),
+            out.stride(0),
+            heads,
+            kv_heads,
+            dim,
+            block_size,
+            block_tables.shape[1],
+            scale,
+            _threads(),
+        )
+
+    # -- element-wise work of a layer -----------------------------------------------------------
+    def elementwise(self, dtype: torch.dtype) -> bool:
+        return dtype in _SUFFIX
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        eps: float,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`rmsnorm(x) * weight`; with `residual`, first `residual += x` (in place) and the sum
+        is normalized. Rows of `x` may be strided; `residual` must be contiguous."""
+        h = x.shape[-1]
+        rows = x.reshape(-1, h) if x.is_contiguous() else x.reshape(-1, h).contiguous()
+        assert weight.dtype == x.dtype and (residual is None or residual.is_contiguous())
+        out = torch.empty(rows.shape, dtype=x.dtype)
+        self._fn(f"rms_norm_{_SUFFIX[x.dtype]}")(
+            rows.data_ptr(),
+            rows.stride(0),
+            _ptr(residual),
+            weight.data_ptr(),
+            out.data_ptr(),
+            rows.shape[0],
+            h,
+            eps,
+            _threads(),
+        )
+        return out.view(x.shape)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """`silu(gate) * up` of a `[M, 2N]` gate-up product (rows may be strided): `[M, N]`."""
+        assert gate_up.dim() == 2 and gate_up.stride(1) == 1
+        m, n = gate_up.shape[0], gate_up.shape[1] // 2
+        out = torch.empty(m, n, dtype=gate_up.dtype)
+        self._fn(f"silu_mul_{_SUFFIX[gate_up.dtype]}")(
+            gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, n, _threads()
+        )
+        return out
+
+    def ropes(self, act_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
+        if act_dtype == kv_dtype:
+            return act_dtype in _SUFFIX
+        return (act_dtype, kv_dtype) == (torch.float32, torch.bfloat16)
+
+    def rope_store(
+        self,
+        qkv: torch.Tensor,
+        heads: int,
+        kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:
+        """Rotate the q and k heads of `qkv` rows `[T, (heads + 2 kv_heads) * dim]` in place
+        (tables `[positions, dim]` in float32, float64 for float64) and store k and v at
+        `slots` of the caches."""
+        assert qkv.dim() == 2 and qkv.stride(1) == 1
+        assert positions.dtype == slots.dtype == torch.int64
+        dim = cos.shape[1]
+        name = (
+            "rope_store_f32_bf16kv"
+            if (qkv.dtype, k_cache.dtype) == (torch.float32, torch.bfloat16)
+            else f"rope_store_{_SUFFIX[qkv.dtype]}"
+        )
+        self._fn(name)(
+            qkv.data_ptr(),
+            qkv.stride(0),
+            qkv.shape[0],
+            heads,
+            kv_heads,
+            dim,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            positions.data_ptr(),
+            slots.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            _threads(),
+        )
+
+    # -- whole blocks, for session saves and restores -------------------------------------------
+    def scatter_blocks(
+        self, src: torch.Tensor, caches: list[torch.Tensor], block_ids: torch.Tensor
+    ) -> None:
+        """`caches[c][block_ids[b]] = src[c, b]` for contiguous `src` `[caches, blocks, ...]`."""
+        assert src.is_contiguous() and all(c.is_contiguous() for c in caches)
+        ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+        block_bytes = caches[0][0].numel() * caches[0].element_size()
+        self._fn("scatter_blocks")(
+            src.data_ptr(),
+            ptrs,
+            len(caches),
+            block_ids.data_ptr(),
+            len(block_ids),
+            block_bytes,
+            _threads(),
+        )
+
+    def gather_blocks(self, caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
+        """`out[c, b] = caches[c][block_ids[b]]`, a new contiguous tensor."""
+        assert all(c.is_contiguous() for c in caches)
+        first = caches[0]
+        out = torch.empty((len(caches), len(block_ids), *first.shape[1:]), dtype=first.dtype)
+        ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
+        block_bytes = first[0].numel() * first.element_size()
+        self._fn("gather_blocks")(
+            out.data_ptr(),
+            ptrs,
+            len(caches),
+            block_ids.data_ptr(),
+            len(block_ids),
+            block_bytes,
+            _threads(),
+        )
+        return out
+
+
+def _build(cxx: str, march: str, lib_path: Path) -> None:
     lib_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        objs = [str(Path(tmp) / f"{src.stem}.o") for src in sources]
-        for src, obj in zip(sources, objs, strict=True):
-            subprocess.run([cxx, *_COMPILE, str(src), "-o", obj], check=True, capture_output=True)
+        objs = [str(Path(tmp) / f"{Path(src).stem}.o") for src in _SOURCES]
+        for src, obj in zip(_SOURCES, objs, strict=True):
+            cmd = [cxx, *_COMPILE, f"-march={march}", str(_CSRC / src), "-o", obj]
+            subprocess.run(cmd, check=True, capture_output=True)
         built = Path(tmp) / "kernels.so"
         subprocess.run([cxx, *_LINK, *objs, "-o", str(built)], check=True, capture_output=True)
         os.replace(built, lib_path)  # atomic: concurrent builders never see a partial file
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    if os.environ.get("SHOAL_DISABLE_CPU_KERNELS"):
-        return None
+def build(march: str = "native") -> CpuKernels | None:
+    """The kernels compiled for `-march=<march>`, or None without a working compiler."""
     cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
     if cxx is None:
         log.warning("no C++ compiler found: using the slower pure-torch kernels")
         return None
-    sources = _sources()
-    flags = " ".join([cxx, *_COMPILE, *_LINK, " ".join(sorted(_cpu_flags()))])
+    flags = " ".join([cxx, march, *_COMPILE, *_LINK, " ".join(sorted(cpu_flags()))])
     digest = hashlib.sha256(flags.encode())
-    for src in sources:
+    for src in sorted(_CSRC.iterdir()):
         digest.update(src.read_bytes())
     lib_path = cache_root() / "kernels" / f"shoal-cpu-{digest.hexdigest()[:16]}.so"
     if not lib_path.exists():
         try:
-            _build(cxx, sources, lib_path)
+            _build(cxx, march, lib_path)
         except (OSError, subprocess.CalledProcessError) as e:
-            log.warning("building the CPU kernels failed (%s): using pure torch", e)
+            log.warning("building the CPU kernels for %s failed (%s): using pure torch", march, e)
             return None
-    lib = ctypes.CDLL(str(lib_path))
-    for name in _DECODE_FUNCS.values():
-        fn = getattr(lib, name)
-        fn.restype = None
-        fn.argtypes = (
-            [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_double, ctypes.c_int64]
-        )
-    for name in _GEMM_FUNCS.values():
-        fn = getattr(lib, name, None)
-        if fn is not None:
-            fn.restype = None
-            fn.argtypes = [ctypes.c_void_p, *[ctypes.c_int64] * 3, ctypes.c_void_p, ctypes.c_int64]
-            fn.argtypes += [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    return lib
+    return CpuKernels(ctypes.CDLL(str(lib_path)), march)
 
 
-def gemm_available(weight_dtype: torch.dtype) -> bool:
-    """Whether `gemm` runs float32 activations against a packed weight of this dtype here."""
-    lib = load()
-    return lib is not None and hasattr(lib, _GEMM_FUNCS.get(weight_dtype, "-"))
+def native() -> CpuKernels | None:
+    """The kernels for this CPU, which the engine uses; None where they cannot be built."""
+    if os.environ.get("SHOAL_DISABLE_CPU_KERNELS"):
+        return None
+    return build("native")
+
+
+def for_tensor(x: torch.Tensor) -> CpuKernels | None:
+    """The native kernels if they take `x`'s element-wise work (a CPU tensor of their dtypes)."""
+    kernels = native() if x.device.type == "cpu" else None
+    return kernels if kernels is not None and kernels.elementwise(x.dtype) else None
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -116,68 +391,3 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     if pad:
         weight = torch.cat([weight, weight.new_zeros(pad, k)])
     return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
-
-
-def gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """`x @ W.T + bias` for float32 rows `x` `[M, K]` and a weight packed by `pack_weight`."""
-    lib = load()
-    assert lib is not None and x.dtype == torch.float32 and x.dim() == 2
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    m, k = x.shape
-    assert packed.shape[1] == k and (bias is None or bias.dtype == torch.float32)
-    # Rows a multiple of 1 KiB apart map to the same few cache sets, and the kernel writes a
-    # 16-column strip down all rows at once: SmolLM2's LM head (49152 columns) ran 3x slower.
-    ldc = n + PANEL if n % 256 == 0 else n
-    out = torch.empty(m, ldc, dtype=torch.float32)[:, :n]
-    getattr(lib, _GEMM_FUNCS[packed.dtype])(
-        x.data_ptr(),
-        m,
-        k,
-        x.stride(0),
-        packed.data_ptr(),
-        n,
-        out.data_ptr(),
-        ldc,
-        None if bias is None else bias.data_ptr(),
-        torch.get_num_threads(),
-    )
-    return out
-
-
-def paged_decode_available(q: torch.Tensor, kv_dtype: torch.dtype) -> bool:
-    return q.device.type == "cpu" and (q.dtype, kv_dtype) in _DECODE_FUNCS and load() is not None
-
-
-def paged_decode(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
-    out: torch.Tensor,
-    scale: float,
-) -> None:
-    """out[b] = attention of q[b] ([heads, dim]) over the first context_lens[b] cached tokens."""
-    lib = load()
-    assert lib is not None
-    for t in (q, k_cache, v_cache, block_tables, context_lens, out):
-        assert t.is_contiguous()
-    batch, heads, dim = q.shape
-    _, block_size, kv_heads, _ = k_cache.shape
-    getattr(lib, _DECODE_FUNCS[q.dtype, k_cache.dtype])(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        block_tables.data_ptr(),
-        context_lens.data_ptr(),
-        out.data_ptr(),
-        batch,
-        heads,
-        kv_heads,
-        dim,
-        block_size,
-        block_tables.shape[1],
-        scale,
-        torch.get_num_threads(),
-    )

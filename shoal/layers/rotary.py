@@ -30,22 +30,41 @@ def inverse_frequencies(hf_config: Any, head_dim: int) -> tuple[torch.Tensor, fl
 
 
 class RotaryEmbedding(nn.Module):
-    """Precomputed cos/sin tables, indexed by absolute position."""
+    """Precomputed cos/sin tables `[max_positions, head_dim]`, indexed by absolute position.
+
+    The tables are float32 (float64 for a float64 model), as transformers computes them; the
+    C++ kernel reads them as they are and the torch path casts the rows it gathers, which is
+    what transformers does before it rotates."""
 
     def __init__(self, hf_config: Any, head_dim: int, max_positions: int, dtype: torch.dtype):
         super().__init__()
         inv_freq, scaling = inverse_frequencies(hf_config, head_dim)
         freqs = torch.arange(max_positions, dtype=torch.float)[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
+        table = torch.float64 if dtype == torch.float64 else torch.float32
         self.cos: torch.Tensor
         self.sin: torch.Tensor
-        self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)
-        self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
+        self.register_buffer("cos", (emb.cos() * scaling).to(table), persistent=False)
+        self.register_buffer("sin", (emb.sin() * scaling).to(table), persistent=False)
 
-    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The `(cos, sin)` rows of `positions`, shaped to broadcast over heads: gathered once
-        a step and shared by every layer's `rotate`."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+class Rope:
+    """One step's positions, with their cos/sin rows gathered once for every layer, on first
+    use (the C++ path indexes the tables itself and never asks)."""
+
+    def __init__(self, table: RotaryEmbedding, positions: torch.Tensor) -> None:
+        self.table, self.positions = table, positions
+        self._rows: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rows(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`(cos, sin)` of the positions, `[tokens, 1, head_dim]` to broadcast over heads."""
+        if self._rows is None or self._rows[0].dtype != dtype:
+            cos, sin = self.table.cos, self.table.sin
+            self._rows = (
+                cos[self.positions].to(dtype).unsqueeze(1),
+                sin[self.positions].to(dtype).unsqueeze(1),
+            )
+        return self._rows
 
 
 def rotate(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

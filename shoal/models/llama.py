@@ -3,6 +3,10 @@
 Weights arrive as a state dict with Hugging Face names; q/k/v and gate/up projections are
 fused at load so each layer runs three large products instead of six small ones.
 
+The residual stream is carried beside the layers' outputs, so each residual add is fused into
+the RMSNorm that follows it (`RMSNorm.add_forward`, as vLLM does); SiLU × up and the rotary
+embedding with the KV-cache write are single C++ passes on the CPU.
+
 On a CPU without native bfloat16 arithmetic, bfloat16 weights run best with float32
 activations: the products widen the weight in their kernel (halving its memory traffic, fp32
 accumulation), and every other op runs in float32 instead of converting per element
@@ -17,10 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.layers.attention import AttentionMetadata, paged_attention
+from shoal.layers import cpu_kernels
+from shoal.layers.attention import AttentionMetadata, paged_attention, rope_and_store
 from shoal.layers.linear import Linear
 from shoal.layers.norm import RMSNorm
-from shoal.layers.rotary import RotaryEmbedding, rotate
+from shoal.layers.rotary import Rope, RotaryEmbedding
 from shoal.models.config import ModelConfig
 
 Weights = dict[str, torch.Tensor]
@@ -47,23 +52,22 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        meta: AttentionMetadata,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        t = x.shape[0]
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, rope: Rope) -> torch.Tensor:
+        t, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        heads = self.num_heads + self.num_kv_heads
-        qk = qkv[:, : heads * self.head_dim].reshape(t, heads, self.head_dim)
-        v = qkv[:, heads * self.head_dim :].reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        q, k = rotate(qk, cos_sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3: before the rotation
+            q, k = (
+                qkv[:, : (self.num_heads + self.num_kv_heads) * d]
+                .view(t, -1, d)
+                .split([self.num_heads, self.num_kv_heads], dim=1)
+            )
+            q.copy_(self.q_norm(q))
+            k.copy_(self.k_norm(k))
+        q, k, v = rope_and_store(
+            qkv, self.num_heads, self.num_kv_heads, rope, meta, self.k_cache, self.v_cache
+        )
         o = paged_attention(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
-        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+        return self.o_proj(o.reshape(t, self.num_heads * d))
 
 
 class MLP(nn.Module):
@@ -75,7 +79,11 @@ class MLP(nn.Module):
         self.down_proj = Linear(w.pop(f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        kernels = cpu_kernels.for_tensor(gate_up)
+        if kernels is not None and gate_up.stride(-1) == 1:
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         # In place, on the product's own output: two fewer [tokens, intermediate] temporaries.
         return self.down_proj(F.silu(gate, inplace=True).mul_(up))
 
@@ -94,11 +102,19 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         meta: AttentionMetadata,
-        cos_sin: tuple[torch.Tensor, torch.Tensor],
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cos_sin)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        rope: Rope,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer on `x + residual` (the first layer has no residual yet); returns the
+        layer's output and the new residual, whose sum is the layer's hidden state."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, meta, rope)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -117,7 +133,6 @@ class LlamaForCausalLM(nn.Module):
             head = self.embed_tokens.data
         self.lm_head = Linear(head)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
-        self.max_positions = max_positions
         self.act_dtype = dtype
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
@@ -132,10 +147,11 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
-        cos_sin = self.rotary(positions)
+        rope = Rope(self.rotary, positions)
+        residual: torch.Tensor | None = None
         for layer in self.layers:
-            x = layer(x, meta, cos_sin)
-        return x
+            x, residual = layer(x, residual, meta, rope)
+        return x if residual is None else x.add_(residual)
 
     def use_float32_activations(self) -> None:
         """Keep the projection weights (and the embedding) as they are; run the rest in fp32."""
@@ -143,10 +159,6 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.weight.data = module.weight.data.float()
-        device = self.embed_tokens.device
-        self.rotary = RotaryEmbedding(
-            self.config.hf_config, self.config.head_dim, self.max_positions, torch.float32
-        ).to(device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))

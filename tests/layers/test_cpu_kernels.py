@@ -1,4 +1,10 @@
-"""The C++ decode kernel agrees with the pure-torch path and leaves the process's FP state alone."""
+"""Every build of the C++ kernels this CPU can run agrees with a float64 reference.
+
+The engine runs the `-march=native` build; the AVX2 + FMA build (`x86-64-v3`) and the portable
+one (`x86-64`, no vector code of ours) are built and run here too where the CPU executes them,
+so an AVX-512 machine also checks the AVX2 path. Builds this CPU cannot run are skipped, with
+the reason.
+"""
 
 from __future__ import annotations
 
@@ -8,91 +14,222 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, _gathered_decode
+from shoal.layers.cpu_features import cpu_flags, has_avx512, is_x86
+from shoal.layers.cpu_kernels import CpuKernels
+from shoal.layers.rotary import rotate
 
-pytestmark = pytest.mark.skipif(cpu_kernels.load() is None, reason="no C++ compiler")
+
+def _builds() -> list:
+    if not is_x86():
+        return [pytest.param("native", id="native")]
+    avx2 = {"avx2", "fma"} <= cpu_flags()
+    return [
+        pytest.param("native", id="native"),
+        pytest.param(
+            "x86-64-v3",
+            id="avx2",
+            marks=pytest.mark.skipif(not avx2, reason="this CPU has no AVX2 + FMA"),
+        ),
+        pytest.param("x86-64", id="generic"),
+    ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("block_size", [1, 4, 16])
-@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take compile-time specialisations
-def test_kernel_matches_gathered_torch_path(dtype: torch.dtype, block_size: int, dim: int) -> None:
-    gen = torch.Generator().manual_seed(0)
-    num_blocks, kv_heads, heads, batch = 64, 2, 6, 7
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, dim, generator=gen, dtype=dtype)
+@pytest.fixture(params=_builds())
+def kernels(request: pytest.FixtureRequest) -> CpuKernels:
+    built = cpu_kernels.build(request.param)
+    if built is None:
+        pytest.skip("no C++ compiler")
+    return built
+
+
+def test_each_build_says_which_vector_code_it_holds(kernels: CpuKernels) -> None:
+    expected = {"x86-64-v3": "avx2", "x86-64": "generic"}.get(kernels.march)
+    if kernels.march == "native" and is_x86():
+        flags = cpu_flags()
+        expected = "avx512" if "avx512f" in flags else "avx2" if "avx2" in flags else "generic"
+    if expected is not None:
+        assert kernels.isa == expected
+    assert kernels.has_gemm(torch.float32) is (kernels.isa in ("avx2", "avx512"))
+
+
+def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:
+    native = cpu_kernels.native()
+    if native is None:
+        pytest.skip("no C++ compiler")
+    if not has_avx512():
+        pytest.skip("this CPU has no AVX-512: the native build is its AVX2 or portable path")
+    assert native.isa == "avx512"
+
+
+def _decode_case(
+    q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, dim: int, seed: int = 0
+) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks, kv_heads, heads, batch = 64, 3, 9, 7
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=gen, dtype=torch.float64).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen, dtype=torch.float64).to(kv_dtype)
     lens = torch.randint(1, 8 * block_size, (batch,), generator=gen)
     width = int(-(-lens.max() // block_size))
     tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:width] for _ in range(batch)])
-    q = torch.randn(batch, heads, dim, generator=gen, dtype=dtype)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), batch, tables, lens, [])
-
-    out = torch.empty_like(q)
-    cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, out, 0.25)
-
-    expected = _gathered_decode(q, k_cache, v_cache, meta, 0.25)
-    tol = 1e-5 if dtype == torch.float32 else 1e-12
-    torch.testing.assert_close(out, expected, atol=tol, rtol=tol)
+    q = torch.randn(batch, heads, dim, generator=gen, dtype=torch.float64).to(q_dtype)
+    return q, k_cache, v_cache, tables, lens
 
 
-def test_loading_the_kernel_keeps_subnormal_floats() -> None:
-    # A library linked with -ffast-math would set flush-to-zero for the whole process.
-    assert cpu_kernels.load() is not None
-    assert (np.array([5e-324]) * 1.0)[0] > 0
-    assert float(torch.tensor([1e-40], dtype=torch.float32) * 1.0) > 0
-
-
-needs_gemm = pytest.mark.skipif(
-    not cpu_kernels.gemm_available(torch.float32), reason="needs AVX2 + FMA"
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.float32, torch.bfloat16),
+    ],
 )
+@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("dim", [16, 64, 128])  # 64 and 128 take the vector code
+def test_decode_matches_float64(
+    kernels: CpuKernels, q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, dim: int
+) -> None:
+    q, k_cache, v_cache, tables, lens = _decode_case(q_dtype, kv_dtype, block_size, dim)
+    out = torch.empty_like(q)
+    kernels.paged_decode(q, k_cache, v_cache, tables, lens, out, 0.25)
+    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), len(q), tables, lens, [])
+    expected = _gathered_decode(q.double(), k_cache.double(), v_cache.double(), meta, 0.25)
+    tol = 1e-12 if q_dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)
 
 
-@needs_gemm
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("m", "k", "n"), [(1, 8, 16), (7, 40, 37), (13, 64, 100), (100, 33, 48), (5, 24, 512)]
 )
-def test_gemm_matches_f_linear(weight_dtype: torch.dtype, m: int, k: int, n: int) -> None:
+def test_gemm_matches_float64(
+    kernels: CpuKernels, weight_dtype: torch.dtype, m: int, k: int, n: int
+) -> None:
     """Every tile height (1-6 rows), partial panels, a bias, a row stride that is not k and
     an output row padded off a multiple of 1 KiB (512 columns)."""
+    if not kernels.has_gemm(weight_dtype):
+        pytest.skip(f"the {kernels.isa} build has no matrix-product kernel (needs AVX2 + FMA)")
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(n, k, generator=gen).to(weight_dtype)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(m, k + 3, generator=gen)[:, 2 : k + 2]  # strided rows
     packed = cpu_kernels.pack_weight(w)
     assert packed.dtype == weight_dtype and packed.shape == (-(-n // 16), k, 16)
-    expected = torch.nn.functional.linear(x.double(), w.double(), bias.double()).float()
-    torch.testing.assert_close(cpu_kernels.gemm(x, packed, n, bias), expected)
+    expected = F.linear(x.double(), w.double(), bias.double())
+    got = kernels.gemm(x, packed, n, bias).double()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(
-        cpu_kernels.gemm(x, packed, n, None), expected - bias, atol=1e-4, rtol=1e-4
+        kernels.gemm(x, packed, n, None).double(), expected - bias.double(), atol=1e-4, rtol=1e-4
     )
 
 
-def test_bf16_cache_decode_matches_widened_torch_path() -> None:
-    """float32 queries against a bfloat16 KV cache read the same numbers widened."""
-    gen = torch.Generator().manual_seed(1)
-    num_blocks, block_size, kv_heads, heads, dim, batch = 16, 4, 3, 9, 64, 5
-    shape = (num_blocks, block_size, kv_heads, dim)
-    k_cache = torch.randn(shape, generator=gen).bfloat16()
-    v_cache = torch.randn(shape, generator=gen).bfloat16()
-    lens = torch.tensor([1, 4, 5, 17, 30])
-    tables = torch.stack([torch.randperm(num_blocks, generator=gen)[:8] for _ in range(batch)])
-    q = torch.randn(batch, heads, dim, generator=gen)
-    assert cpu_kernels.paged_decode_available(q, torch.bfloat16)
-    out = torch.empty_like(q)
-    cpu_kernels.paged_decode(q, k_cache, v_cache, tables, lens, out, 0.125)
-    meta = AttentionMetadata(torch.zeros(0, dtype=torch.long), batch, tables, lens, [])
-    expected = _gathered_decode(q, k_cache.float(), v_cache.float(), meta, 0.125)
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+_TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _act(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_matches_float64(
+    kernels: CpuKernels, dtype: torch.dtype, with_residual: bool
+) -> None:
+    x = _act((37, 80), dtype, 1)[:, :72]  # strided rows
+    weight = _act((72,), dtype, 2)
+    residual = _act((37, 72), dtype, 3)
+    total = x.double() + residual.double() if with_residual else x.double()
+    expected = F.rms_norm(total, (72,), weight.double(), 1e-6)
+    got = kernels.rms_norm(x, weight, 1e-6, residual if with_residual else None)
+    tol = _TOL[dtype]
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+    if with_residual:  # the sum became the new residual
+        torch.testing.assert_close(residual.double(), total, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_silu_mul_matches_float64(kernels: CpuKernels, dtype: torch.dtype) -> None:
+    gate_up = _act((19, 2 * 40 + 16), dtype, 4)[:, :80]  # strided rows
+    gate, up = gate_up.double().split(40, dim=1)
+    expected = F.silu(gate) * up
+    tol = _TOL[dtype]
+    torch.testing.assert_close(kernels.silu_mul(gate_up).double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float64, torch.float64),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+def test_rope_store_rotates_and_writes_the_slots(
+    kernels: CpuKernels, dtype: torch.dtype, kv_dtype: torch.dtype
+) -> None:
+    tokens, heads, kv_heads, dim, max_pos = 11, 6, 2, 64, 50
+    qkv = _act((tokens, (heads + 2 * kv_heads) * dim + 8), dtype, 5)[:, :-8]  # strided rows
+    original = qkv.double().clone()
+    angles = torch.rand(max_pos, dim // 2, generator=torch.Generator().manual_seed(6)) * 6
+    table = torch.float64 if dtype == torch.float64 else torch.float32
+    cos = torch.cat([angles.cos()] * 2, dim=1).to(table)
+    sin = torch.cat([angles.sin()] * 2, dim=1).to(table)
+    positions = torch.randint(0, max_pos, (tokens,), generator=torch.Generator().manual_seed(7))
+    slots = torch.randperm(40, generator=torch.Generator().manual_seed(8))[:tokens]
+    k_cache = torch.zeros(10, 4, kv_heads, dim, dtype=kv_dtype)
+    v_cache = torch.zeros_like(k_cache)
+    kernels.rope_store(qkv, heads, kv_heads, cos, sin, positions, slots, k_cache, v_cache)
+
+    split = original.view(tokens, heads + 2 * kv_heads, dim)
+    rows = (cos[positions].double()[:, None], sin[positions].double()[:, None])
+    rotated = rotate(split[:, : heads + kv_heads], rows)
+    tol = _TOL[dtype] if kv_dtype == dtype else _TOL[torch.bfloat16]
+    got = qkv.double().view(tokens, heads + 2 * kv_heads, dim)
+    torch.testing.assert_close(got[:, : heads + kv_heads], rotated, atol=tol, rtol=tol)
+    torch.testing.assert_close(got[:, heads + kv_heads :], split[:, heads + kv_heads :])
+    flat_k = k_cache.view(-1, kv_heads, dim).double()
+    flat_v = v_cache.view(-1, kv_heads, dim).double()
+    torch.testing.assert_close(flat_k[slots], rotated[:, heads:], atol=tol, rtol=tol)
+    torch.testing.assert_close(flat_v[slots], split[:, heads + kv_heads :], atol=tol, rtol=tol)
+    untouched = torch.ones(40, dtype=torch.bool)
+    untouched[slots] = False
+    assert not flat_k[untouched].any() and not flat_v[untouched].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_gather_and_scatter_anywhere_in_the_pool(
+    kernels: CpuKernels, dtype: torch.dtype
+) -> None:
+    caches = [_act((32, 4, 2, 8), dtype, seed) for seed in range(6)]
+    ids = torch.tensor([17, 3, 30, 4, 5, 11])
+    gathered = kernels.gather_blocks(caches, ids)
+    assert torch.equal(gathered, torch.stack([c[ids] for c in caches]))
+    fresh = [torch.zeros_like(c) for c in caches]
+    kernels.scatter_blocks(gathered, fresh, ids)
+    for before, after in zip(caches, fresh, strict=True):
+        assert torch.equal(after[ids], before[ids])
+        assert after.count_nonzero() == before[ids].count_nonzero()
+
+
+def test_loading_the_kernels_keeps_subnormal_floats() -> None:
+    # A library linked with -ffast-math would set flush-to-zero for the whole process.
+    if cpu_kernels.native() is None:
+        pytest.skip("no C++ compiler")
+    assert (np.array([5e-324]) * 1.0)[0] > 0
+    assert float(torch.tensor([1e-40], dtype=torch.float32) * 1.0) > 0
 
 
 def test_kernels_share_torchs_openmp_runtime() -> None:
     """The library's OpenMP calls bind to the libgomp torch loaded: one thread pool, not two
     fighting (other packages may bring their own copies; those are not ours to fix)."""
-    lib = cpu_kernels.load()
-    assert lib is not None
+    native = cpu_kernels.native()
+    if native is None:
+        pytest.skip("no C++ compiler")
     maps = Path("/proc/self/maps")
     torch_lib = Path(torch.__file__).parent / "lib"
     if not maps.exists() or str(torch_lib / "libgomp") not in maps.read_text():
@@ -107,6 +244,74 @@ def test_kernels_share_torchs_openmp_runtime() -> None:
         ]
 
     info = DlInfo()
-    address = ctypes.cast(lib.omp_get_max_threads, ctypes.c_void_p)
+    address = ctypes.cast(native.lib.omp_get_max_threads, ctypes.c_void_p)
     assert ctypes.CDLL(None).dladdr(address, ctypes.byref(info))
     assert Path(info.dli_fname.decode()).resolve().parent == torch_lib.resolve()
+
+
+def _prefill_reference(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    spans: torch.Tensor,
+    tables: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of each chunk over its gathered context, in float64."""
+    heads, kv_heads = q.shape[1], k_cache.shape[2]
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for (start, length, ctx), table in zip(spans.tolist(), tables, strict=True):
+        keys = k_cache.double()[table].flatten(0, 1)[:ctx].repeat_interleave(heads // kv_heads, 1)
+        values = v_cache.double()[table].flatten(0, 1)[:ctx]
+        values = values.repeat_interleave(heads // kv_heads, 1)
+        rows = q[start : start + length].double()
+        scores = torch.einsum("qhd,khd->hqk", rows, keys) * scale
+        future = torch.arange(ctx)[None, :] > torch.arange(ctx - length, ctx)[:, None]
+        probs = scores.masked_fill(future, float("-inf")).softmax(-1)
+        out[start : start + length] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("q_dtype", "kv_dtype"),
+    [
+        (torch.float32, torch.float32),
+        (torch.float64, torch.float64),
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float32, torch.bfloat16),
+    ],
+)
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(9, 3, 64), (4, 4, 128), (6, 2, 16)])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_prefill_matches_float64(
+    kernels: CpuKernels,
+    q_dtype: torch.dtype,
+    kv_dtype: torch.dtype,
+    heads: int,
+    kv_heads: int,
+    dim: int,
+    block_size: int,
+) -> None:
+    """Chunks with and without cached context, of 1 to 70 tokens (partial tiles, several
+    tiles, partial key blocks), rows strided as in the fused qkv projection."""
+    gen = torch.Generator().manual_seed(3)
+    num_blocks = 96
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k_cache = torch.randn(shape, generator=gen, dtype=torch.float64).to(kv_dtype)
+    v_cache = torch.randn(shape, generator=gen, dtype=torch.float64).to(kv_dtype)
+    chunks = [(70, 70), (1, 40), (33, 33), (17, 90), (2, 2)]  # (query tokens, context)
+    spans, start = [], 0
+    for length, ctx in chunks:
+        spans.append((start, length, ctx))
+        start += length
+    width = -(-max(ctx for _, ctx in chunks) // block_size)
+    blocks = torch.randperm(num_blocks, generator=gen)
+    tables = torch.stack([blocks[i * 16 : i * 16 + width] for i in range(len(chunks))])
+    rows = torch.randn(start, heads + 8, dim, generator=gen, dtype=torch.float64)
+    q = rows.to(q_dtype)[:, :heads]  # strided token rows
+    out = torch.empty(start, heads, dim, dtype=q_dtype)
+    spans_t = torch.tensor(spans)
+    kernels.paged_prefill(q, k_cache, v_cache, spans_t, tables, out, 0.125)
+    expected = _prefill_reference(q, k_cache, v_cache, spans_t, tables, 0.125)
+    tol = {torch.float64: 1e-12, torch.float32: 2e-5, torch.bfloat16: 2e-2}[q_dtype]
+    torch.testing.assert_close(out.double(), expected, atol=tol, rtol=tol)

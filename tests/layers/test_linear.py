@@ -9,18 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels, linear
-
-
-def _cpu_flags() -> set[str]:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
+from shoal.layers.cpu_features import cpu_flags, has_avx512
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo")
 def test_bfloat16_packing_follows_the_cpu_flags() -> None:
-    flags = _cpu_flags()
+    flags = cpu_flags()
     # oneDNN's bf16 reorder needs AVX512-BW/VL/DQ or AVX-NE-CONVERT (its own error message).
     capable = {"avx512bw", "avx512vl", "avx512dq"} <= flags or "avx_ne_convert" in flags
     if not torch.backends.mkldnn.is_available():
@@ -29,26 +23,40 @@ def test_bfloat16_packing_follows_the_cpu_flags() -> None:
     assert linear.onednn_packs(torch.float64) is False
 
 
+def test_projection_path_follows_the_cpu() -> None:
+    kernels = cpu_kernels.native()
+    gemm = kernels is not None and kernels.has_gemm(torch.float32)
+    f32 = linear.projection_path(torch.float32, torch.float32)
+    if gemm and not has_avx512():
+        assert f32 == "gemm"  # AVX2 + FMA without AVX-512: shoal's kernel
+    elif linear.onednn_packs(torch.float32):
+        assert f32 == "onednn"
+    bf16 = linear.projection_path(torch.bfloat16, torch.bfloat16)
+    assert bf16 == ("onednn" if linear.onednn_packs(torch.bfloat16) else "torch")
+    if gemm:
+        assert linear.projection_path(torch.float32, torch.bfloat16) == "gemm"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("path", ["gemm", "onednn", "torch"])
-def test_linear_matches_f_linear_on_every_path(monkeypatch, dtype, path) -> None:
-    if path == "gemm" and not cpu_kernels.gemm_available(dtype):
-        pytest.skip("no AVX2 + FMA or no compiler")
+def test_linear_matches_float64_on_every_path(monkeypatch, dtype, path) -> None:
+    kernels = cpu_kernels.native()
+    if path == "gemm" and (kernels is None or not kernels.has_gemm(dtype)):
+        pytest.skip("shoal's kernel needs AVX2 + FMA and a compiler")
     if path == "onednn" and not linear.onednn_packs(dtype):
         pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
-    monkeypatch.setattr(cpu_kernels, "gemm_available", lambda d: path == "gemm")
-    monkeypatch.setattr(linear, "onednn_usable", lambda w: path == "onednn")
+    monkeypatch.setattr(linear, "projection_path", lambda act, weight: path)
     gen = torch.Generator().manual_seed(0)
     w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
     x = torch.randn(5, 40, generator=gen)
     layer = linear.Linear(w.to(dtype), b.to(dtype))
     # The kernel takes float32 activations against either weight; the others match dtypes.
-    got = layer(x if path == "gemm" else x.to(dtype))
+    x_in = x if path == "gemm" else x.to(dtype)
+    got = layer(x_in)
     assert got.dtype == (torch.float32 if path == "gemm" else dtype)
     assert (layer._panels is not None) is (path == "gemm")
     assert (layer._packed is not None) is (path == "onednn")
-    tol = 1e-4 if dtype == torch.float32 or path == "gemm" else 0.15
-    ref_w = w.to(dtype).float() if path == "gemm" else w
-    torch.testing.assert_close(
-        got.float(), F.linear(x, ref_w, b.to(dtype).float()), atol=tol, rtol=tol
-    )
+    # Against float64 math on the same (rounded) operands; bf16 outputs are rounded once.
+    expected = F.linear(x_in.double(), w.to(dtype).double(), b.to(dtype).double())
+    tol = 1e-5 if got.dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)

@@ -12,6 +12,11 @@
 // Threads share the panels through OpenMP; the library links the libgomp torch already loaded
 // (same soname), so these products run on torch's own thread pool instead of fighting it.
 
+#include "simd.h"
+
+// Only builds for AVX2 + FMA (or wider) have the kernel; the loader looks for its symbols.
+#if defined(__AVX2__) && defined(__FMA__)
+
 #include <immintrin.h>
 #include <omp.h>
 
@@ -154,3 +159,5 @@ extern "C" void gemm_bf16w(const float* a, int64_t m, int64_t k, int64_t lda,
                            const float* bias, int64_t num_threads) {
   gemm<uint16_t>(a, m, k, lda, packed, n, c, ldc, bias, num_threads);
 }
+
+#endif  // AVX2 + FMA

@@ -7,6 +7,12 @@
 // memory), then the softmax-weighted sum of the values. Threads take sequences one at a time
 // (OpenMP's dynamic schedule), so long and short contexts balance; the library links the
 // libgomp torch has loaded, so this runs on torch's own thread pool.
+//
+// Float32 queries against a float32 or bfloat16 cache take explicit vector code where the build
+// has AVX-512 or AVX2 (simd.h), four tokens at a time (see attend_vec). Float64 (tests) and
+// builds without those ISAs take portable loops the compiler vectorizes.
+
+#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
@@ -14,101 +20,157 @@
 #include <cstring>
 #include <vector>
 
+#include "attention_common.h"
+
 namespace {
 
-struct Shape {
-  int64_t heads, kv_heads, dim, block_size, max_blocks;
-};
+using shoal::Shape;
 
-// Keys and values are stored as T, or as bfloat16 (uint16_t, the top half of a float32) next
-// to float32 queries: widening is a 16-bit shift, which vectorizes.
-inline float widen(float x) { return x; }
-inline double widen(double x) { return x; }
-inline float widen(uint16_t h) {
-  const uint32_t bits = uint32_t(h) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+#if SHOAL_HAS_VEC
+using shoal::kLanes;
+using shoal::Vec;
 
-// Calls fn(t, row) with each of the first `len` tokens' rows of `cache` (keys or values), block
-// by block. Blocks sit anywhere in the pool and the hardware prefetcher stops at page
-// boundaries, so the next block is requested while the current one is read (1.7-2x on
-// SmolLM2-sized batches whose KV is not in cache).
-template <typename T, typename Fn>
-inline void for_each_token(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
-                           int64_t token_stride, Fn&& fn) {
-  const int64_t block_stride = block_size * token_stride;
-  const int64_t token_bytes = token_stride * int64_t(sizeof(T));
-  for (int64_t start = 0; start < len; start += block_size) {
-    const int64_t n = std::min(block_size, len - start), j = start / block_size;
-    const T* block = cache + table[j] * block_stride;
-    const char* next =
-        start + n < len ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride)
-                        : nullptr;
-    for (int64_t i = 0; i < n; ++i) {
-      if (next) {
-        for (int64_t off = 0; off < token_bytes; off += 64)
-          __builtin_prefetch(next + i * token_bytes + off);
-      }
-      fn(start + i, block + i * token_stride);
-    }
+constexpr int TU = 4;  // tokens per step of the vector path
+
+// Rows of `n` tokens as float32: in place for a float32 cache, widened into `buf` for bfloat16.
+template <typename KV>
+inline const float* as_float(const KV* rows, int64_t n, int64_t row_len, float* buf) {
+  if constexpr (sizeof(KV) == sizeof(float)) {
+    return reinterpret_cast<const float*>(rows);
+  } else {
+    for (int64_t i = 0; i < n * row_len; i += kLanes) shoal::vstore(buf + i, shoal::vload(rows + i));
+    return buf;
   }
 }
 
-// DIM > 0 fixes the head size at compile time, so the dot products unroll into registers
-// (2.2x on SmolLM2's 64); DIM == 0 takes the head size from `s` at run time.
-template <typename T, typename KV, int64_t DIM>
-void attend_one(const T* q, const KV* kc, const KV* vc, const int64_t* table, int64_t len,
-                T* out, const Shape& s, T scale, std::vector<T>& scores, std::vector<T>& acc) {
-  const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, heads = s.heads;
-  const int64_t token_stride = s.kv_heads * dim;
-  scores.resize(heads * len);
-  // Pass 1: scores[h][t] = q[h] . k[t][h / group] * scale.
-  for_each_token(kc, table, len, s.block_size, token_stride, [&](int64_t t, const KV* k) {
+// Float32 queries, head size DIM (a multiple of the vector width). Tokens go TU at a time, all
+// kv heads of a token together: the TU dot products of a head are reduced by one shuffle tree,
+// and the value pass touches each head's accumulator once per TU tokens.
+template <typename KV, int DIM>
+void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table, int64_t len,
+                float* out, const Shape& s, float scale, std::vector<float>& scores,
+                std::vector<float>& acc) {
+  constexpr int NV = DIM / kLanes;
+  const int64_t group = s.heads / s.kv_heads, heads = s.heads, kv_heads = s.kv_heads;
+  const int64_t token_stride = kv_heads * DIM, bs = s.block_size;
+  const int64_t token_bytes = token_stride * int64_t(sizeof(KV));
+  scores.resize(heads * len + TU * token_stride);  // the tail widens bfloat16 rows
+  float* sc = scores.data();
+  float* wide = sc + heads * len;
+  // Calls fn(first token, count, rows) for runs of up to TU tokens within a block, and
+  // prefetches the same tokens of the next block.
+  auto walk = [&](const KV* cache, auto&& fn) {
+    for (int64_t start = 0; start < len; start += bs) {
+      const int64_t n = std::min(bs, len - start), j = start / bs;
+      const KV* block = cache + table[j] * bs * token_stride;
+      const char* next = start + n < len
+                             ? reinterpret_cast<const char*>(cache + table[j + 1] * bs * token_stride)
+                             : nullptr;
+      for (int64_t i = 0; i < n; i += TU) {
+        const int64_t m = std::min<int64_t>(TU, n - i);
+        if (next) {
+          for (int64_t off = i * token_bytes; off < (i + m) * token_bytes; off += 64)
+            __builtin_prefetch(next + off);
+        }
+        fn(start + i, m, as_float(block + i * token_stride, m, token_stride, wide));
+      }
+    }
+  };
+  walk(kc, [&](int64_t t, int64_t m, const float* k) {
+    if constexpr (NV * TU <= 16) {  // the TU key rows of a kv head fit in registers
+      if (m == TU) {
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          Vec key[TU][NV];
+#pragma GCC unroll 16
+          for (int i = 0; i < TU; ++i)
+            for (int v = 0; v < NV; ++v)
+              key[i][v] = shoal::vload(k + i * token_stride + g * DIM + v * kLanes);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            Vec dot[TU];
+#pragma GCC unroll 16
+            for (int i = 0; i < TU; ++i) dot[i] = shoal::vzero();
+#pragma GCC unroll 16
+            for (int v = 0; v < NV; ++v) {
+              const Vec qv = shoal::vload(q + h * DIM + v * kLanes);
+              for (int i = 0; i < TU; ++i) dot[i] = shoal::vfma(qv, key[i][v], dot[i]);
+            }
+            const __m128 sums = shoal::vsum4(dot[0], dot[1], dot[2], dot[3]);
+            _mm_storeu_ps(sc + h * len + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+          }
+        }
+        return;
+      }
+    }
     for (int64_t h = 0; h < heads; ++h) {
-      const T* qh = q + h * dim;
-      const KV* kh = k + (h / group) * dim;
-      T dot = 0;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * widen(kh[d]);
-      scores[h * len + t] = dot * scale;
+      const float* qh = q + h * DIM;
+      const float* kh = k + (h / group) * DIM;
+      for (int64_t i = 0; i < m; ++i) {
+        Vec a = shoal::vzero();
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v)
+          a = shoal::vfma(shoal::vload(qh + v * kLanes), shoal::vload(kh + i * token_stride + v * kLanes), a);
+        sc[h * len + t + i] = shoal::vsum(a) * scale;
+      }
     }
   });
-  // Softmax over each head's row.
-  for (int64_t h = 0; h < heads; ++h) {
-    T* row = scores.data() + h * len;
-    const T m = *std::max_element(row, row + len);
-    T total = 0;
-#pragma omp simd reduction(+ : total)
-    for (int64_t t = 0; t < len; ++t) {
-      row[t] = std::exp(row[t] - m);
-      total += row[t];
+  shoal::softmax_rows(sc, heads, len);
+  acc.assign(heads * DIM, 0.0f);
+  float* a = acc.data();
+  walk(vc, [&](int64_t t, int64_t m, const float* v) {
+    if constexpr (NV * TU <= 16) {  // the TU value rows of a kv head fit in registers
+      if (m == TU) {
+        for (int64_t g = 0; g < kv_heads; ++g) {
+          Vec val[TU][NV];
+#pragma GCC unroll 16
+          for (int i = 0; i < TU; ++i)
+            for (int c = 0; c < NV; ++c)
+              val[i][c] = shoal::vload(v + i * token_stride + g * DIM + c * kLanes);
+          for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+            const float* p = sc + h * len + t;
+            float* ah = a + h * DIM;
+#pragma GCC unroll 16
+            for (int c = 0; c < NV; ++c) {
+              Vec x = shoal::vload(ah + c * kLanes);
+              for (int i = 0; i < TU; ++i) x = shoal::vfma(shoal::vset1(p[i]), val[i][c], x);
+              shoal::vstore(ah + c * kLanes, x);
+            }
+          }
+        }
+        return;
+      }
     }
-    const T inv = T(1) / total;
-#pragma omp simd
-    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
-  }
-  // Pass 2: out[h] = sum_t p[h][t] * v[t][h / group].
-  acc.assign(heads * dim, T(0));
-  for_each_token(vc, table, len, s.block_size, token_stride, [&](int64_t t, const KV* v) {
     for (int64_t h = 0; h < heads; ++h) {
-      const T p = scores[h * len + t];
-      const KV* vh = v + (h / group) * dim;
-      T* a = acc.data() + h * dim;
-#pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(vh[d]);
+      const float* vh = v + (h / group) * DIM;
+      const float* p = sc + h * len + t;
+      float* ah = a + h * DIM;
+#pragma GCC unroll 16
+      for (int c = 0; c < NV; ++c) {
+        Vec x = shoal::vload(ah + c * kLanes);
+        for (int64_t i = 0; i < m; ++i)
+          x = shoal::vfma(shoal::vset1(p[i]), shoal::vload(vh + i * token_stride + c * kLanes), x);
+        shoal::vstore(ah + c * kLanes, x);
+      }
     }
   });
   std::copy(acc.begin(), acc.end(), out);
+}
+#endif
+
+template <typename T, typename KV>
+shoal::Attend<T, KV> pick(int64_t dim) {
+#if SHOAL_HAS_VEC
+  if constexpr (sizeof(T) == sizeof(float)) {
+    if (dim == 64) return attend_vec<KV, 64>;
+    if (dim == 128) return attend_vec<KV, 128>;
+  }
+#endif
+  return shoal::pick_portable<T, KV>(dim);
 }
 
 template <typename T, typename KV>
 void decode(const T* q, const KV* kc, const KV* vc, const int64_t* tables, const int64_t* lens,
             T* out, int64_t batch, const Shape& s, double scale, int64_t num_threads) {
-  const auto attend = s.dim == 64    ? attend_one<T, KV, 64>
-                      : s.dim == 128 ? attend_one<T, KV, 128>
-                                     : attend_one<T, KV, 0>;
+  const auto attend = pick<T, KV>(s.dim);
   const int threads = int(std::max<int64_t>(1, std::min(num_threads, batch)));
 #pragma omp parallel num_threads(threads)
   {
@@ -135,3 +197,6 @@ void decode(const T* q, const KV* kc, const KV* vc, const int64_t* tables, const
 SHOAL_DECODE(paged_decode_f32, float, float)
 SHOAL_DECODE(paged_decode_f64, double, double)
 SHOAL_DECODE(paged_decode_f32_bf16kv, float, uint16_t)
+
+// What this build's vector code targets: "avx512", "avx2" or "generic".
+extern "C" const char* shoal_isa() { return SHOAL_ISA; }

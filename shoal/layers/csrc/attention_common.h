@@ -1,0 +1,107 @@
+// What the decode and prefill attention kernels share: the cache geometry, a walk over a
+// sequence's tokens block by block, a row softmax and the portable one-query attention that
+// builds without our vector code take (and float64, which the tests use).
+
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "simd.h"
+
+namespace shoal {
+
+struct Shape {
+  int64_t heads, kv_heads, dim, block_size, max_blocks;
+};
+
+// Calls fn(t, row) with each of the first `len` tokens' rows of `cache` (keys or values), block
+// by block. Blocks sit anywhere in the pool and the hardware prefetcher stops at page
+// boundaries, so the next block is requested while the current one is read (1.7-2x on
+// SmolLM2-sized batches whose KV is not in cache).
+template <typename T, typename Fn>
+inline void for_each_token(const T* cache, const int64_t* table, int64_t len, int64_t block_size,
+                           int64_t token_stride, Fn&& fn) {
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t token_bytes = token_stride * int64_t(sizeof(T));
+  for (int64_t start = 0; start < len; start += block_size) {
+    const int64_t n = std::min(block_size, len - start), j = start / block_size;
+    const T* block = cache + table[j] * block_stride;
+    const char* next =
+        start + n < len ? reinterpret_cast<const char*>(cache + table[j + 1] * block_stride)
+                        : nullptr;
+    for (int64_t i = 0; i < n; ++i) {
+      if (next) {
+        for (int64_t off = 0; off < token_bytes; off += 64)
+          __builtin_prefetch(next + i * token_bytes + off);
+      }
+      fn(start + i, block + i * token_stride);
+    }
+  }
+}
+
+// Softmax over each head's row of scores, in place.
+template <typename T>
+void softmax_rows(T* scores, int64_t heads, int64_t len) {
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = scores + h * len;
+    const T m = *std::max_element(row, row + len);
+    T total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = 0; t < len; ++t) {
+      row[t] = std::exp(row[t] - m);
+      total += row[t];
+    }
+    const T inv = T(1) / total;
+#pragma omp simd
+    for (int64_t t = 0; t < len; ++t) row[t] *= inv;
+  }
+}
+
+// Portable path. DIM > 0 fixes the head size at compile time, so the dot products unroll;
+// DIM == 0 takes it from `s` at run time.
+template <typename T, typename KV, int64_t DIM>
+void attend_portable(const T* q, const KV* kc, const KV* vc, const int64_t* table, int64_t len,
+                     T* out, const Shape& s, T scale, std::vector<T>& scores,
+                     std::vector<T>& acc) {
+  const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, heads = s.heads;
+  const int64_t token_stride = s.kv_heads * dim;
+  scores.resize(heads * len);
+  for_each_token(kc, table, len, s.block_size, token_stride, [&](int64_t t, const KV* k) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* qh = q + h * dim;
+      const KV* kh = k + (h / group) * dim;
+      T dot = 0;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qh[d] * widen(kh[d]);
+      scores[h * len + t] = dot * scale;
+    }
+  });
+  softmax_rows(scores.data(), heads, len);
+  acc.assign(heads * dim, T(0));
+  for_each_token(vc, table, len, s.block_size, token_stride, [&](int64_t t, const KV* v) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const T p = scores[h * len + t];
+      const KV* vh = v + (h / group) * dim;
+      T* a = acc.data() + h * dim;
+#pragma omp simd
+      for (int64_t d = 0; d < dim; ++d) a[d] += p * widen(vh[d]);
+    }
+  });
+  std::copy(acc.begin(), acc.end(), out);
+}
+
+template <typename T, typename KV>
+using Attend = void (*)(const T*, const KV*, const KV*, const int64_t*, int64_t, T*, const Shape&,
+                        T, std::vector<T>&, std::vector<T>&);
+
+template <typename T, typename KV>
+Attend<T, KV> pick_portable(int64_t dim) {
+  if (dim == 64) return attend_portable<T, KV, 64>;
+  if (dim == 128) return attend_portable<T, KV, 128>;
+  return attend_portable<T, KV, 0>;
+}
+
+}  // namespace shoal
