@@ -143,6 +143,7 @@ def onednn_kernel(dtype: str) -> str:
 def describe_paths(llm: Any) -> list[str]:
     """Which implementation each kind of op takes in this engine, on this CPU."""
     from shoal.layers import cpu_kernels, linear
+    from shoal.layers.cpu_features import native_bf16
 
     model = llm.engine.runner.model
     act, weight = model.act_dtype, model.lm_head.weight.dtype
@@ -152,15 +153,14 @@ def describe_paths(llm: Any) -> list[str]:
     path = linear.projection_path(act, weight)
     if path == "onednn":
         path += f" {onednn_kernel(str(act).removeprefix('torch.'))}"
-    decode_q = torch.float32 if act == torch.bfloat16 else act
-    decode = kernels is not None and kernels.decodes(decode_q, kv)
+    decode = kernels is not None and kernels.decodes(act, kv)
     prefill = kernels is not None and kernels.prefills(act, kv)
     return [
         f"  activations {act}, weights {weight}, KV cache {kv}; C++ kernels: {isa}",
         f"  projections + LM head: {path}",
         "  decode attention: "
         + ("C++ paged kernel" if decode else "torch gather + SDPA")
-        + f" ({decode_q} over {kv} KV)",
+        + (" (VDPBF16PS)" if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
         "  prefill attention: "
         + (
             "C++ paged flash kernel"

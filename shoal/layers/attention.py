@@ -111,17 +111,16 @@ def paged_attention(
     if b:
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         kernels = cpu_kernels.native() if q.device.type == "cpu" else None
-        # The kernel computes in float32 (float64 for float64): bfloat16 queries are widened.
-        q_dtype = torch.float32 if q.dtype == torch.bfloat16 else q.dtype
-        if kernels is not None and kernels.decodes(q_dtype, k_cache.dtype):
-            widened = q_dtype != q.dtype
-            dq = q[:b].to(q_dtype).contiguous()
-            dout = torch.empty_like(dq) if widened else out[:b]
+        if kernels is not None and kernels.decodes(q.dtype, k_cache.dtype):
             kernels.paged_decode(
-                dq, k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, dout, scale
+                q[:b].contiguous(),
+                k_cache,
+                v_cache,
+                meta.decode_block_tables,
+                meta.decode_lens,
+                out[:b],
+                scale,
             )
-            if widened:
-                out[:b] = dout
         else:
             out[:b] = _gathered_decode(q[:b], k_cache, v_cache, meta, scale)
 

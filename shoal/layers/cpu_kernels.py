@@ -51,6 +51,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "paged_decode_f32": _DECODE_ARGS,
     "paged_decode_f64": _DECODE_ARGS,
     "paged_decode_f32_bf16kv": _DECODE_ARGS,
+    "paged_decode_bf16": _DECODE_ARGS,
     "paged_prefill_f32": _PREFILL_ARGS,
     "paged_prefill_f64": _PREFILL_ARGS,
     "paged_prefill_bf16": _PREFILL_ARGS,
@@ -70,6 +71,7 @@ _DECODE = {  # (query dtype, KV cache dtype)
     (torch.float32, torch.float32): "paged_decode_f32",
     (torch.float64, torch.float64): "paged_decode_f64",
     (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
+    (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
 }
 _PREFILL = {  # (query dtype, KV cache dtype)
     (torch.float32, torch.float32): "paged_prefill_f32",

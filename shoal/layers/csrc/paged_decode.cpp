@@ -156,6 +156,105 @@ void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table
 }
 #endif
 
+#if defined(__AVX512BF16__)
+// bfloat16 queries over a bfloat16 cache with AVX512_BF16 (Zen 4, Sapphire Rapids): VDPBF16PS
+// multiplies pairs of bfloat16 and accumulates in float32, 32 products an instruction, so no
+// key or value is ever widened. Loops go kv head by kv head, the group's query heads and
+// accumulators in registers. Scores: four tokens' dot products reduced by one shuffle tree.
+// Values: two tokens' rows interleaved (unpack lo/hi) meet the pair of their probabilities,
+// rounded to bfloat16 as transformers rounds them before P·V; the unpacks permute the
+// dimensions, which the final store undoes.
+template <int DIM>
+void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
+                 int64_t len, uint16_t* out, const Shape& s, float scale, std::vector<float>& sc,
+                 std::vector<float>& acc) {
+  constexpr int NP = DIM / 32;  // vectors of 32 bfloat16 per head row
+  constexpr int HB = 16 / (2 * NP) > 0 ? 16 / (2 * NP) : 1;  // heads whose sums fit registers
+  const int64_t group = s.heads / s.kv_heads, heads = s.heads, bs = s.block_size;
+  const int64_t token_stride = s.kv_heads * DIM;
+  sc.resize(heads * len);
+  auto rows = [&](const uint16_t* cache, int64_t t) {
+    return cache + (table[t / bs] * bs + t % bs) * token_stride;
+  };
+  auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  for (int64_t g = 0; g < s.kv_heads; ++g) {
+    __m512bh qv[8][NP];  // the group's query heads (up to 8 at a time)
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 8) {
+      const int64_t nh = std::min<int64_t>(8, (g + 1) * group - h0);
+      for (int64_t h = 0; h < nh; ++h)
+        for (int c = 0; c < NP; ++c) qv[h][c] = load(q + (h0 + h) * DIM + c * 32);
+      int64_t t = 0;
+      for (; t + 4 <= len; t += 4) {
+        __m512bh key[4][NP];
+        for (int i = 0; i < 4; ++i)
+          for (int c = 0; c < NP; ++c) key[i][c] = load(rows(kc, t + i) + g * DIM + c * 32);
+        for (int64_t h = 0; h < nh; ++h) {
+          __m512 d[4];
+          for (int i = 0; i < 4; ++i) {
+            d[i] = _mm512_setzero_ps();
+            for (int c = 0; c < NP; ++c) d[i] = _mm512_dpbf16_ps(d[i], qv[h][c], key[i][c]);
+          }
+          const __m128 sums = shoal::vsum4(d[0], d[1], d[2], d[3]);
+          _mm_storeu_ps(sc.data() + (h0 + h) * len + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+        }
+      }
+      for (; t < len; ++t) {
+        for (int64_t h = 0; h < nh; ++h) {
+          __m512 d = _mm512_setzero_ps();
+          for (int c = 0; c < NP; ++c)
+            d = _mm512_dpbf16_ps(d, qv[h][c], load(rows(kc, t) + g * DIM + c * 32));
+          sc[(h0 + h) * len + t] = _mm512_reduce_add_ps(d) * scale;
+        }
+      }
+    }
+  }
+  shoal::softmax_rows(sc.data(), heads, len);
+  acc.resize(heads * DIM);
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t g = 0; g < s.kv_heads; ++g) {
+    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HB) {
+      const int64_t nh = std::min<int64_t>(HB, (g + 1) * group - h0);
+      __m512 a[HB][2 * NP];
+      for (int h = 0; h < HB; ++h)
+        for (int c = 0; c < 2 * NP; ++c) a[h][c] = _mm512_setzero_ps();
+      for (int64_t t = 0; t < len; t += 2) {
+        const bool pair = t + 1 < len;
+        __m512bh lo[NP], hi[NP];
+        for (int c = 0; c < NP; ++c) {
+          const __m512i v0 = _mm512_loadu_si512(rows(vc, t) + g * DIM + c * 32);
+          const __m512i v1 = pair ? _mm512_loadu_si512(rows(vc, t + 1) + g * DIM + c * 32) : zero;
+          lo[c] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+          hi[c] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+        }
+        for (int64_t h = 0; h < nh; ++h) {
+          const float* p = sc.data() + (h0 + h) * len + t;
+          const uint32_t bits = shoal::to_bf16(p[0]) | uint32_t(pair ? shoal::to_bf16(p[1]) : 0) << 16;
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(bits));
+          for (int c = 0; c < NP; ++c) {
+            a[h][2 * c] = _mm512_dpbf16_ps(a[h][2 * c], lo[c], pp);
+            a[h][2 * c + 1] = _mm512_dpbf16_ps(a[h][2 * c + 1], hi[c], pp);
+          }
+        }
+      }
+      // Lane 4k + i of lo[c] holds dimension 32c + 8k + i; of hi[c], 32c + 8k + 4 + i.
+      for (int64_t h = 0; h < nh; ++h) {
+        alignas(64) float lanes[2][16];
+        for (int c = 0; c < NP; ++c) {
+          _mm512_store_ps(lanes[0], a[h][2 * c]);
+          _mm512_store_ps(lanes[1], a[h][2 * c + 1]);
+          uint16_t* o = out + (h0 + h) * DIM + c * 32;
+          for (int k = 0; k < 4; ++k)
+            for (int i = 0; i < 4; ++i) {
+              o[8 * k + i] = shoal::to_bf16(lanes[0][4 * k + i]);
+              o[8 * k + 4 + i] = shoal::to_bf16(lanes[1][4 * k + i]);
+            }
+        }
+      }
+    }
+  }
+}
+#endif
+
 template <typename T, typename KV>
 shoal::Attend<T, KV> pick(int64_t dim) {
 #if SHOAL_HAS_VEC
@@ -197,6 +296,43 @@ void decode(const T* q, const KV* kc, const KV* vc, const int64_t* tables, const
 SHOAL_DECODE(paged_decode_f32, float, float)
 SHOAL_DECODE(paged_decode_f64, double, double)
 SHOAL_DECODE(paged_decode_f32_bf16kv, float, uint16_t)
+
+// bfloat16 queries and outputs over a bfloat16 cache: VDPBF16PS where the build has AVX512_BF16,
+// otherwise the float32 path on widened queries.
+extern "C" void paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                  const int64_t* tables, const int64_t* lens, uint16_t* out,
+                                  int64_t batch, int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int64_t block_size, int64_t max_blocks, double scale,
+                                  int64_t num_threads) {
+  const Shape s{heads, kv_heads, dim, block_size, max_blocks};
+  const int64_t width = heads * dim;
+  const int threads = int(std::max<int64_t>(1, std::min(num_threads, batch)));
+  using Native = void (*)(const uint16_t*, const uint16_t*, const uint16_t*, const int64_t*,
+                         int64_t, uint16_t*, const Shape&, float, std::vector<float>&,
+                         std::vector<float>&);
+  Native native = nullptr;
+#if defined(__AVX512BF16__)
+  native = dim == 64 ? attend_bf16<64> : dim == 128 ? attend_bf16<128> : nullptr;
+#endif
+  const auto widened = pick<float, uint16_t>(dim);
+#pragma omp parallel num_threads(threads)
+  {
+    std::vector<float> scores, acc, qf(width), of(width);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; ++b) {
+      const uint16_t* qb = q + b * width;
+      uint16_t* ob = out + b * width;
+      if (native) {
+        native(qb, kc, vc, tables + b * max_blocks, lens[b], ob, s, float(scale), scores, acc);
+        continue;
+      }
+      for (int64_t e = 0; e < width; ++e) qf[e] = shoal::widen(qb[e]);
+      widened(qf.data(), kc, vc, tables + b * max_blocks, lens[b], of.data(), s, float(scale),
+              scores, acc);
+      for (int64_t e = 0; e < width; ++e) ob[e] = shoal::to_bf16(of[e]);
+    }
+  }
+}
 
 // What this build's vector code targets: "avx512", "avx2" or "generic".
 extern "C" const char* shoal_isa() { return SHOAL_ISA; }
