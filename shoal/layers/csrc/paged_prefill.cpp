@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "attention_common.h"
@@ -101,6 +102,7 @@ inline void value_block(const float* pt, const KV* const* v, int nkeys, const fl
 
 struct Scratch {
   std::vector<float> qt, st, o, m, l, alpha, keys;
+  std::vector<uint32_t> pairs;  // bfloat16 pairs: queries, then probabilities (Bf16Dot)
   std::vector<int64_t> pos;
   void size(int64_t dim) {
     qt.resize(dim * TR);
@@ -110,57 +112,187 @@ struct Scratch {
     l.resize(TR);
     alpha.resize(TR);
     keys.resize(KEYS * dim);
+    pairs.resize((dim / 2 + KEYS / 2) * TR);
     pos.resize(TR);
   }
 };
 
-// One tile: rows r = token * group + head in group, for `tokens` tokens from t0.
+// The two products of a tile in float32 FMAs: queries transposed and pre-scaled into qt[d][row],
+// keys as float32 rows (widened into L1 for a bfloat16 cache), values read in place.
 template <typename T, typename KV, int DIM>
+struct FmaProducts {
+  static constexpr int NV = DIM / kLanes;
+  static constexpr int NVC = NV < 4 ? NV : 4;  // value vectors per register block
+  static constexpr int RB = ACC / NVC;         // rows per register block (divides TR)
+  static_assert(TR % RB == 0 && NV % NVC == 0, "tile shape");
+
+  static void load_queries(Scratch& w, const T* const* rows, float scale) {
+    for (int r = 0; r < TR; ++r)
+      for (int64_t d = 0; d < DIM; ++d) w.qt[d * TR + r] = rows[r] ? widen(rows[r][d]) * scale : 0;
+  }
+
+  static void scores(Scratch& w, const KV* const* k, int n, float* sc, float /*in queries*/) {
+    const float* krows[KEYS];
+    for (int j = 0; j < n; ++j) {
+      if constexpr (sizeof(KV) == sizeof(float)) {
+        krows[j] = reinterpret_cast<const float*>(k[j]);
+      } else {  // widen once; the product broadcasts each element RV times
+        float* dst = w.keys.data() + j * DIM;
+        for (int c = 0; c < NV; ++c) shoal::vstore(dst + c * kLanes, shoal::vload(k[j] + c * kLanes));
+        krows[j] = dst;
+      }
+    }
+    int j = 0;
+    for (; j + KB <= n; j += KB) key_block<KB>(w.qt.data(), krows + j, DIM, sc + j * TR);
+    for (; j < n; ++j) key_block<1>(w.qt.data(), krows + j, DIM, sc + j * TR);
+  }
+
+  static void values(Scratch& w, const KV* const* v, int n, const float* p, const float* alpha) {
+    for (int r0 = 0; r0 < TR; r0 += RB)
+      for (int64_t d0 = 0; d0 < DIM; d0 += NVC * kLanes)
+        value_block<KV, RB, NVC>(p, v, n, alpha, w.o.data(), DIM, r0, d0);
+  }
+
+  static float value(const Scratch& w, int64_t r, int64_t d) { return w.o[r * DIM + d]; }
+};
+
+#if defined(__AVX512BF16__)
+inline uint32_t pair_at(const uint16_t* p) {
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return bits;
+}
+
+// bfloat16 queries, keys and values on CPUs with AVX512_BF16: VDPBF16PS multiplies pairs of
+// bfloat16 into float32 sums, 32 products an instruction, twice the float32 FMA rate, and
+// nothing is widened. Queries are stored as (d, d + 1) pairs per row, each key's pair is
+// broadcast against them; the probabilities are rounded to (key, key + 1) pairs (as
+// transformers rounds them to bfloat16 before P·V) and meet two keys' value rows interleaved
+// by unpack lo/hi, which permutes the dimensions of `o`; `value` undoes it.
+template <int DIM>
+struct Bf16DotProducts {
+  static constexpr int NP = DIM / 32;           // vectors of 32 bfloat16 per row
+  static constexpr int NO = DIM / 16;           // float32 output vectors per row
+  static constexpr int RB = ACC / NO;           // rows per register block (divides TR)
+  static_assert(kLanes == 16 && TR % RB == 0, "tile shape");
+
+  static void load_queries(Scratch& w, const uint16_t* const* rows, float) {
+    for (int r = 0; r < TR; ++r)
+      for (int64_t e = 0; e < DIM / 2; ++e) w.pairs[e * TR + r] = rows[r] ? pair_at(rows[r] + 2 * e) : 0;
+  }
+
+  static void scores(Scratch& w, const uint16_t* const* k, int n, float* sc, float scale) {
+    const uint32_t* qt = w.pairs.data();
+    int j = 0;
+    for (; j + KB <= n; j += KB) key_block<KB>(qt, k + j, sc + j * TR, scale);
+    for (; j < n; ++j) key_block<1>(qt, k + j, sc + j * TR, scale);
+  }
+
+  template <int NK>
+  static void key_block(const uint32_t* qt, const uint16_t* const* k, float* sc, float scale) {
+    __m512 acc[NK][RV];
+    for (int j = 0; j < NK; ++j)
+      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+    for (int64_t e = 0; e < DIM / 2; ++e) {
+      __m512bh q[RV];
+      for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qt + e * TR + v * 16);
+      for (int j = 0; j < NK; ++j) {
+        const __m512bh kj = (__m512bh)_mm512_set1_epi32(int(pair_at(k[j] + 2 * e)));
+        for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kj, q[v]);
+      }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int j = 0; j < NK; ++j)
+      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(sc + j * TR + v * 16, _mm512_mul_ps(acc[j][v], s));
+  }
+
+  static void values(Scratch& w, const uint16_t* const* v, int n, const float* p,
+                     const float* alpha) {
+    const int np = (n + 1) / 2;  // key pairs; an odd last key pairs with a zero
+    uint32_t* pp = w.pairs.data() + (DIM / 2) * TR;
+    __m512i vint[KEYS / 2][NO];
+    const __m512i zero = _mm512_setzero_si512();
+    for (int jp = 0; jp < np; ++jp) {
+      const bool two = 2 * jp + 1 < n;
+      for (int rv = 0; rv < RV; ++rv) {
+        const __m512i lo = _mm512_cvtepu16_epi32(
+            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + 2 * jp * TR + rv * 16)));
+        const __m512i hi = two ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
+                                     _mm512_loadu_ps(p + (2 * jp + 1) * TR + rv * 16)))
+                               : zero;
+        _mm512_storeu_si512(pp + jp * TR + rv * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+      }
+      for (int c = 0; c < NP; ++c) {
+        const __m512i v0 = _mm512_loadu_si512(v[2 * jp] + 32 * c);
+        const __m512i v1 = two ? _mm512_loadu_si512(v[2 * jp + 1] + 32 * c) : zero;
+        vint[jp][2 * c] = _mm512_unpacklo_epi16(v0, v1);
+        vint[jp][2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
+      }
+    }
+    float* o = w.o.data();
+    for (int r0 = 0; r0 < TR; r0 += RB) {
+      __m512 acc[RB][NO];
+      for (int r = 0; r < RB; ++r) {
+        const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
+        for (int c = 0; c < NO; ++c)
+          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * DIM + 16 * c), a);
+      }
+      for (int jp = 0; jp < np; ++jp) {
+        for (int r = 0; r < RB; ++r) {
+          const __m512bh b = (__m512bh)_mm512_set1_epi32(int(pp[jp * TR + r0 + r]));
+          for (int c = 0; c < NO; ++c)
+            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)vint[jp][c], b);
+        }
+      }
+      for (int r = 0; r < RB; ++r)
+        for (int c = 0; c < NO; ++c) _mm512_storeu_ps(o + (r0 + r) * DIM + 16 * c, acc[r][c]);
+    }
+  }
+
+  // Lane 4k + i of the lo vector of 32-dimension chunk c holds dimension 32c + 8k + i; of the
+  // hi vector, 32c + 8k + 4 + i.
+  static float value(const Scratch& w, int64_t r, int64_t d) {
+    const int64_t c = d / 32, k = (d % 32) / 8, u = d % 8;
+    return w.o[r * DIM + (2 * c + (u >= 4)) * 16 + 4 * k + (u & 3)];
+  }
+};
+#endif
+
+// One tile: rows r = token * group + head in group, for `tokens` tokens from t0.
+template <typename T, typename KV, typename P>
 void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int64_t* table,
           T* out, const Shape& s, Strides st_, float scale, const Item& it, int64_t tq,
           Scratch& w) {
-  constexpr int NV = DIM / kLanes;
-  constexpr int NVC = NV < 4 ? NV : 4;  // value vectors per register block
-  constexpr int RB = ACC / NVC;         // rows per register block (divides TR)
-  static_assert(TR % RB == 0 && NV % NVC == 0, "tile shape");
-  const int64_t group = s.heads / s.kv_heads, g = it.kv_head;
+  const int64_t dim = s.dim, group = s.heads / s.kv_heads, g = it.kv_head;
   const int64_t q_start = span[0], q_len = span[1], offset = span[2] - q_len;
   const int64_t tokens = std::min(tq, q_len - it.t0), rows = tokens * group;
   const int64_t first = offset + it.t0, last = first + tokens - 1;  // positions in the tile
-  const int64_t token_stride = s.kv_heads * DIM;
-  float *qt = w.qt.data(), *o = w.o.data(), *m = w.m.data(), *l = w.l.data();
-  float *sc = w.st.data(), *alpha = w.alpha.data();
+  const int64_t token_stride = s.kv_heads * dim;
+  float *m = w.m.data(), *l = w.l.data(), *sc = w.st.data(), *alpha = w.alpha.data();
+  const T* qrows[TR];
   for (int64_t r = 0; r < TR; ++r) {
     const bool real = r < rows;
-    const T* qr = q + (q_start + it.t0 + r / group) * st_.q + (g * group + r % group) * DIM;
-    for (int64_t d = 0; d < DIM; ++d) qt[d * TR + r] = real ? widen(qr[d]) * scale : 0.0f;
+    qrows[r] = real ? q + (q_start + it.t0 + r / group) * st_.q + (g * group + r % group) * dim
+                    : nullptr;
     w.pos[r] = real ? first + r / group : last;
     m[r] = kMasked;
     l[r] = 0.0f;
   }
+  P::load_queries(w, qrows, scale);
   std::fill(w.o.begin(), w.o.end(), 0.0f);
-  const float* krows[KEYS];
+  const KV* krows[KEYS];
   const KV* vrows[KEYS];
   int n = 0;
   for (int64_t k0 = 0; k0 <= last; k0 += n) {
     // Keys [k0, k0 + n): at most KEYS, within one block.
     const int64_t block = k0 / s.block_size, in_block = k0 % s.block_size;
     n = int(std::min<int64_t>({KEYS, s.block_size - in_block, last + 1 - k0}));
-    const int64_t base = (table[block] * s.block_size + in_block) * token_stride + g * DIM;
+    const int64_t base = (table[block] * s.block_size + in_block) * token_stride + g * dim;
     for (int j = 0; j < n; ++j) {
-      const KV* kj = kc + base + j * token_stride;
+      krows[j] = kc + base + j * token_stride;
       vrows[j] = vc + base + j * token_stride;
-      if constexpr (sizeof(KV) == sizeof(float)) {
-        krows[j] = reinterpret_cast<const float*>(kj);
-      } else {  // widen once into L1; the product broadcasts each element TR / kLanes times
-        float* dst = w.keys.data() + j * DIM;
-        for (int c = 0; c < NV; ++c) shoal::vstore(dst + c * kLanes, shoal::vload(kj + c * kLanes));
-        krows[j] = dst;
-      }
     }
-    int j = 0;
-    for (; j + KB <= n; j += KB) key_block<KB>(qt, krows + j, DIM, sc + j * TR);
-    for (; j < n; ++j) key_block<1>(qt, krows + j, DIM, sc + j * TR);
+    P::scores(w, krows, n, sc, scale);
     if (k0 + n - 1 > first) {  // the diagonal: some rows must not see some of these keys
       for (int jj = 0; jj < n; ++jj) {
         float* row = sc + jj * TR;
@@ -196,14 +328,12 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
       l[r] = l[r] * alpha[r] + sum[r];
       m[r] = mx[r];
     }
-    for (int r0 = 0; r0 < TR; r0 += RB)
-      for (int64_t d0 = 0; d0 < DIM; d0 += NVC * kLanes)
-        value_block<KV, RB, NVC>(sc, vrows, n, alpha, o, DIM, r0, d0);
+    P::values(w, vrows, n, sc, alpha);
   }
   for (int64_t r = 0; r < rows; ++r) {
-    T* dst = out + (q_start + it.t0 + r / group) * st_.out + (g * group + r % group) * DIM;
+    T* dst = out + (q_start + it.t0 + r / group) * st_.out + (g * group + r % group) * dim;
     const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < DIM; ++d) dst[d] = narrow<T>(o[r * DIM + d] * inv);
+    for (int64_t d = 0; d < dim; ++d) dst[d] = narrow<T>(P::value(w, r, d) * inv);
   }
 }
 
@@ -211,11 +341,19 @@ template <typename T, typename KV>
 using Tile = void (*)(const T*, const KV*, const KV*, const int64_t*, const int64_t*, T*,
                       const Shape&, Strides, float, const Item&, int64_t, Scratch&);
 
+template <typename T, typename KV, int DIM>
+Tile<T, KV> tile_for() {
+#if defined(__AVX512BF16__)
+  if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) return tile<T, KV, Bf16DotProducts<DIM>>;
+#endif
+  return tile<T, KV, FmaProducts<T, KV, DIM>>;
+}
+
 template <typename T, typename KV>
 Tile<T, KV> pick_tile(int64_t dim, int64_t group) {
   if constexpr (sizeof(shoal::acc_t<T>) == sizeof(float)) {
-    if (group <= TR && dim == 64) return tile<T, KV, 64>;
-    if (group <= TR && dim == 128) return tile<T, KV, 128>;
+    if (group <= TR && dim == 64) return tile_for<T, KV, 64>();
+    if (group <= TR && dim == 128) return tile_for<T, KV, 128>();
   }
   return nullptr;
 }
