@@ -161,19 +161,7 @@ def describe_paths(llm: Any) -> list[str]:
         "  decode attention: "
         + ("C++ paged kernel" if decode else "torch gather + SDPA")
         + (" (VDPBF16PS)" if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
-        "  prefill attention: "
-        + (
-            "C++ paged flash kernel"
-            if prefill
-            else ("tiled oneDNN products" if attention_tiles(act) else "torch SDPA")
-            + " for large chunks, SDPA for small ones"
-        ),
+        "  prefill attention: " + ("C++ paged flash kernel" if prefill else "torch SDPA per chunk"),
         "  norms, SiLU x up, rotary + KV writes: "
         + ("C++ fused kernels" if kernels is not None and kernels.elementwise(act) else "torch"),
     ]
-
-
-def attention_tiles(dtype: torch.dtype) -> bool:
-    from shoal.layers import attention
-
-    return attention.tiles_on_cpu(dtype)

@@ -1,16 +1,13 @@
-"""Paged attention over a block-structured KV cache, in plain PyTorch.
+"""Paged attention over a block-structured KV cache.
 
 The cache of one layer is `[num_blocks, block_size, kv_heads, head_dim]`. Each step rotates the
-new queries and keys and writes the new keys and values to their slots (`rope_and_store`, one
-C++ pass on the CPU), then every query attends to its own sequence's blocks: decodes in one
-call (the C++ kernel reads blocks in place; the torch fallback gathers them into a padded
-batch), prefill chunks one sequence at a time, causally, after the tokens already cached.
+new queries and keys and writes the new keys and values to their slots (`rope_and_store`), then
+every query attends to its own sequence's blocks, causally, after the tokens already cached.
 
-Prefill on CPU is two matrix products per KV head through oneDNN, with the query heads that
-share a KV head stacked into one operand (grouped-query packing) and the query rows tiled so
-the scores stay in cache and causally masked tiles skip the keys they cannot see. On the
-reference 2-core machine this ran 1.2 to 2.3x faster than torch's fused CPU SDPA once a chunk
-has more than ~128k query-key pairs; smaller chunks, CUDA and half precision use SDPA.
+On the CPU both run as C++ kernels that read the blocks in place (`csrc/paged_decode.cpp` for
+decodes, `csrc/paged_prefill.cpp`, flash-style, for every prefill chunk of the step in one
+call). Elsewhere (CUDA, or no C++ compiler) decodes gather their blocks into a padded batch and
+each prefill chunk runs through torch's SDPA.
 """
 
 from __future__ import annotations
@@ -21,13 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels
-from shoal.layers.linear import matmul_nt, native_bf16_products
 from shoal.layers.rotary import Rope, rotate
-
-_SCORE_TILE_ELEMS = 1 << 20  # scores per tile (4 MiB in float32): kept in L2 on the reference CPU
-# Below this many query-key pairs the fixed cost of the per-head oneDNN calls (tens of
-# microseconds each) outweighs their faster products, and SDPA's single call wins.
-_MIN_TILED_PAIRS = 1 << 17
 
 
 @dataclass(slots=True)
@@ -167,52 +158,7 @@ def prefill_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
 ) -> torch.Tensor:
     """Causal attention of q `[L, H, D]`, the last L of C positions, over keys and values
-    `[C, KVH, D]`. Returns `[L, H, D]`."""
-    on_cpu = q.device.type == "cpu" and tiles_on_cpu(q.dtype)
-    if on_cpu and q.shape[0] * keys.shape[0] >= _MIN_TILED_PAIRS:
-        return _tiled_prefill(q, keys, values, scale)
-    return _sdpa_prefill(q, keys, values, scale)
-
-
-def tiles_on_cpu(dtype: torch.dtype) -> bool:
-    """Whether large CPU prefill chunks of `dtype` run as tiled oneDNN products: float32 and
-    float64 always, bfloat16 where the CPU multiplies it natively."""
-    return dtype in (torch.float32, torch.float64) or (
-        dtype == torch.bfloat16 and native_bf16_products()
-    )
-
-
-def _tiled_prefill(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
-    q_len, heads, head_dim = q.shape
-    ctx, kv_heads = keys.shape[:2]
-    group = heads // kv_heads
-    offset = ctx - q_len
-    tile = max(1, min(q_len, _SCORE_TILE_ELEMS // (group * ctx)))
-    # Additive mask of the causal triangle a tile of rows shares with its own positions.
-    causal = torch.full((tile, tile), float("-inf"), dtype=q.dtype).triu_(1)
-    # Rows ordered (token, head in group), so a tile of tokens is a contiguous block of rows.
-    grouped_q = (q * scale).view(q_len, kv_heads, group, head_dim)
-    k_heads = keys.transpose(0, 1).contiguous()  # [KVH, C, D]
-    v_heads_t = values.permute(1, 2, 0).contiguous()  # [KVH, D, C]
-    out = torch.empty_like(q)
-    for h in range(kv_heads):
-        q_h = grouped_q[:, h].reshape(q_len * group, head_dim)
-        cols = slice(h * group, (h + 1) * group)
-        for t0 in range(0, q_len, tile):
-            t1 = min(q_len, t0 + tile)
-            n, end = t1 - t0, offset + t1  # keys past `end` are in every row's future
-            scores = matmul_nt(q_h[t0 * group : t1 * group], k_heads[h, :end])
-            scores.view(n, group, end)[:, :, offset + t0 :] += causal[:n, None, :n]
-            probs = torch.softmax(scores, dim=-1)
-            out[t0:t1, cols] = matmul_nt(probs, v_heads_t[h, :, :end]).view(n, group, head_dim)
-    return out
-
-
-def _sdpa_prefill(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float
-) -> torch.Tensor:
+    `[C, KVH, D]`, through torch's SDPA. Returns `[L, H, D]`."""
     q_len, ctx = q.shape[0], keys.shape[0]
     mask = None
     if ctx > q_len:

@@ -46,17 +46,6 @@ def onednn_usable(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and onednn_packs(weight.dtype)
 
 
-def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """`a @ b.T` for 2-D tensors through oneDNN where usable: attention's two products.
-
-    oneDNN takes a strided operand through a reference path about 1000x slower, so both are made
-    contiguous first (a no-op when they are).
-    """
-    if a.dtype != b.dtype or not onednn_usable(b):
-        return nn.functional.linear(a, b)
-    return torch.ops.mkldnn._linear_pointwise(a.contiguous(), b.contiguous(), None, "none", [], "")
-
-
 def native_bf16_products() -> bool:
     """Whether bfloat16 x bfloat16 products run natively here: oneDNN's packed path on a CPU
     with bfloat16 dot-product instructions (then bfloat16 models keep bfloat16 activations)."""

@@ -17,7 +17,7 @@ import torch
 from shoal import LLM, SamplingParams
 from shoal.config import EngineConfig
 from shoal.engine.llm_engine import Engine
-from shoal.layers import attention
+from shoal.layers import cpu_kernels
 from shoal.outputs import RequestOutput
 
 VOCAB_LOW, VOCAB_HIGH = 3, 319  # stay clear of pad/bos/eos (0, 1, 2)
@@ -25,10 +25,14 @@ VOCAB_LOW, VOCAB_HIGH = 3, 319  # stay clear of pad/bos/eos (0, 1, 2)
 _HF_CACHE: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
 
 
-@pytest.fixture(autouse=True, params=["sdpa", "tiled"])
-def prefill_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every case runs through both CPU prefill attention paths, whatever its chunk sizes."""
-    monkeypatch.setattr(attention, "_MIN_TILED_PAIRS", 0 if request.param == "tiled" else 1 << 62)
+@pytest.fixture(autouse=True, params=["kernels", "torch"])
+def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every case runs with shoal's C++ kernels (attention, norms, rotary, SiLU) and without
+    them (pure torch, as on a machine with no compiler)."""
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_kernels, "native", lambda: None)
+    elif cpu_kernels.native() is None:
+        pytest.skip("no C++ compiler for the kernels")
 
 
 def hf_greedy(hf_model: Any, path: Path, prompt: list[int], n: int) -> list[int]:
