@@ -13,7 +13,6 @@ from typing import Any
 
 import ray
 from ray import serve
-from ray.serve.config import RequestRouterConfig
 
 from shoal.cluster.ingress import Ingress
 from shoal.cluster.replica import EngineReplica
@@ -55,25 +54,23 @@ def build_application(config: ClusterConfig) -> Any:
     server = config.replica_server()
     engine = server.engine
     replica = serve.deployment(
-        EngineReplica,
         name="engine",
         num_replicas=config.replicas,
         ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
         max_ongoing_requests=config.max_ongoing_requests
         or engine.max_waiting + engine.max_num_seqs,
-        request_router_config=RequestRouterConfig(
-            request_router_class=f"{ROUTER.__module__}:{ROUTER.__qualname__}",
-            request_router_kwargs={"imbalance_threshold": config.imbalance_threshold},
-        ),
+        request_router_config={
+            "request_router_class": f"{ROUTER.__module__}:{ROUTER.__qualname__}",
+            "request_router_kwargs": {"imbalance_threshold": config.imbalance_threshold},
+        },
         graceful_shutdown_timeout_s=server.drain_timeout_s + server.batch_grace_s + 5,
-    )
+    )(EngineReplica)
     ingress = serve.deployment(
-        Ingress,
         name="ingress",
         num_replicas=1,
         ray_actor_options={"num_cpus": config.ingress_cpus},
         max_ongoing_requests=100_000,
-    )
+    )(Ingress)
     return ingress.bind(replica.bind(server), server.max_upload_bytes)
 
 
@@ -90,7 +87,10 @@ def start_local(
         log_to_driver=False,
         configure_logging=False,
     )
-    serve.start(http_options={"host": host, "port": port}, logging_config={"enable_access_log": False})
+    serve.start(
+        http_options={"host": host, "port": port},
+        logging_config={"enable_access_log": False},
+    )
     deploy(config)
 
 

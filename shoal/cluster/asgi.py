@@ -39,14 +39,15 @@ class ResponseHead:
 class AsgiHost:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self._lifespan: asyncio.Task[None] | None = None
+        self._lifespan: asyncio.Future[None] | None = None
         self._to_app: asyncio.Queue[Message] = asyncio.Queue()
         self._from_app: asyncio.Queue[Message] = asyncio.Queue()
 
     async def start(self) -> None:
         """Run the app's startup (the engine loads); raises if it failed."""
         scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
-        self._lifespan = asyncio.create_task(self.app(scope, self._to_app.get, self._from_app.put))
+        lifespan = self.app(scope, self._to_app.get, self._from_app.put)
+        self._lifespan = asyncio.ensure_future(lifespan)
         await self._lifespan_step("startup")
 
     async def stop(self) -> None:
@@ -61,7 +62,8 @@ class AsgiHost:
         assert self._lifespan is not None
         await self._to_app.put({"type": f"lifespan.{step}"})
         reply = asyncio.ensure_future(self._from_app.get())
-        await asyncio.wait({reply, self._lifespan}, return_when=asyncio.FIRST_COMPLETED)
+        waiting: set[asyncio.Future[Any]] = {reply, self._lifespan}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
         if not reply.done():
             reply.cancel()
             self._lifespan.result()  # the app raised: re-raise here
@@ -99,7 +101,7 @@ class AsgiHost:
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        task = asyncio.create_task(self.app(scope, receive, sent.put))
+        task: asyncio.Future[None] = asyncio.ensure_future(self.app(scope, receive, sent.put))
         try:
             while True:
                 message = await _next(sent, task)
@@ -120,12 +122,13 @@ class AsgiHost:
                 task.cancel()
 
 
-async def _next(sent: asyncio.Queue[Message], task: asyncio.Task[None]) -> Message | None:
+async def _next(sent: asyncio.Queue[Message], task: asyncio.Future[None]) -> Message | None:
     """The app's next message, or None once it returned having sent everything."""
     if not sent.empty():
         return sent.get_nowait()
     getter = asyncio.ensure_future(sent.get())
-    await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+    waiting: set[asyncio.Future[Any]] = {getter, task}
+    await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
     if getter.done():
         return getter.result()
     getter.cancel()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 from ray.exceptions import RayActorError
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
@@ -53,7 +53,7 @@ class Ingress:
             request.method, path, request.url.query.encode(), request.headers.raw, body
         )
         for attempt in range(RETRIES + 1):
-            stream = self.replicas.handle.remote(forwarded, route=route)
+            stream = self._send(forwarded, route=route)
             try:
                 head = await stream.__anext__()
             except RayActorError as e:
@@ -72,10 +72,15 @@ class Ingress:
         )
         return error_response(unavailable, path)
 
+    def _send(self, request: Forwarded, route: Route) -> DeploymentResponseGenerator[Any]:
+        return cast(
+            DeploymentResponseGenerator[Any], self.replicas.handle.remote(request, route=route)
+        )
+
     async def metrics(self) -> bytes:
         """Every live replica's `/metrics`, labelled, and the routing counts."""
         if not STATS.replicas:  # the handle's router learns the replicas on its first request
-            await _collect(self.replicas.handle.remote(Forwarded("GET", "/health"), route=Route()))
+            await _collect(self._send(Forwarded("GET", "/health"), route=Route()))
         replicas = list(STATS.replicas)
         texts = await asyncio.gather(*(self._metrics_of(r) for r in replicas))
         found = {r: t for r, t in zip(replicas, texts, strict=True) if t is not None}
@@ -83,21 +88,21 @@ class Ingress:
 
     async def _metrics_of(self, replica: str) -> str | None:
         pinned = Route(replica=replica)
-        stream = self.replicas.handle.remote(Forwarded("GET", "/metrics"), route=pinned)
+        stream = self._send(Forwarded("GET", "/metrics"), route=pinned)
         try:
             parts = await asyncio.wait_for(_collect(stream), METRICS_TIMEOUT_S)
-        except (RayActorError, asyncio.TimeoutError) as e:
+        except (TimeoutError, RayActorError) as e:
             log.warning("no metrics from replica %s: %s", replica, e)
             stream.cancel()
             return None
         return b"".join(p for p in parts if isinstance(p, bytes)).decode()
 
 
-async def _collect(stream: DeploymentResponseGenerator) -> list[Any]:
+async def _collect(stream: DeploymentResponseGenerator[Any]) -> list[Any]:
     return [part async for part in stream]
 
 
-async def _body(stream: DeploymentResponseGenerator) -> AsyncIterator[bytes]:
+async def _body(stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[bytes]:
     try:
         async for chunk in stream:
             yield chunk

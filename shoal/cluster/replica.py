@@ -28,7 +28,7 @@ REPLICA_HEADER = "x-shoal-replica"
 
 
 class EngineReplica:
-    async def __init__(self, config: ServerConfig) -> None:
+    async def __init__(self, config: ServerConfig) -> None:  # type: ignore[misc]  # Serve awaits it
         ctx = serve.get_replica_context()
         self.replica_id = ctx.replica_id.unique_id
         rank = ctx.rank.rank if ctx.rank is not None else self.replica_id

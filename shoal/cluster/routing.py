@@ -74,7 +74,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):  # content parts, token ids, or a batch of prompts
-        return " ".join(str(p.get("text", "")) if isinstance(p, dict) else _text(p) for p in content)
+        return " ".join(_text(p.get("text")) if isinstance(p, dict) else _text(p) for p in content)
     return "" if content is None else str(content)
 
 
