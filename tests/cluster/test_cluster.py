@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 import time
@@ -103,7 +104,8 @@ def no_cache_outputs(cluster: Cluster, convs: list[Conversation], max_tokens: li
 def test_every_turn_lands_on_its_sessions_replica(cluster: Cluster) -> None:
     client = sdk(cluster)
     convs = [Conversation(f"affine-{i}") for i in range(SESSIONS)]
-    moved_before = sum(metric(cluster, "shoal_cluster_session_requests_total", placement="moved").values())
+    placements = "shoal_cluster_session_requests_total"
+    moved_before = sum(metric(cluster, placements, placement="moved").values())
     hits_before = sum(metric(cluster, "shoal_session_hits_total").values())
     for t in range(TURNS):
         play_round(convs, client, cluster.model, t, MAX_TOKENS)
@@ -113,7 +115,7 @@ def test_every_turn_lands_on_its_sessions_replica(cluster: Cluster) -> None:
     assert len({conv.turns[0].replica for conv in convs}) == 2  # both replicas have sessions
     hit_rate = metric(cluster, "shoal_cluster_session_hit_rate")
     assert hit_rate and all(v == 1.0 for v in hit_rate.values())
-    moved = sum(metric(cluster, "shoal_cluster_session_requests_total", placement="moved").values())
+    moved = sum(metric(cluster, placements, placement="moved").values())
     assert moved == moved_before
     hits = sum(metric(cluster, "shoal_session_hits_total").values())
     assert hits - hits_before == SESSIONS * (TURNS - 1)  # the engines reused session KV
@@ -198,8 +200,6 @@ def test_a_batch_running_during_a_replica_kill_completes_exactly_once(cluster: C
         }
         for i in range(64)
     ]
-    import json
-
     upload = client.files.create(
         file=("lines.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch"
     )

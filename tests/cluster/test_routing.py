@@ -18,7 +18,8 @@ from shoal.cluster.routing import (
 
 
 def chat(**body: object) -> bytes:
-    return json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}], **body}).encode()
+    messages = [{"role": "user", "content": "hi"}]
+    return json.dumps({"model": "m", "messages": messages, **body}).encode()
 
 
 def test_a_request_routes_by_its_session_then_its_prompt() -> None:
