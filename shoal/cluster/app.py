@@ -38,6 +38,7 @@ class ClusterConfig:
     ingress_cpus: float = 0.1
     session_tier: Path | None = None
     imbalance_threshold: int = 8  # queue length over the lightest replica's before a move
+    policy: str = "affine"  # or "round_robin": the baseline of benchmarks/cluster_sessions.py
     max_ongoing_requests: int = 0  # per replica; 0: the engine's max_waiting + max_num_seqs
     app_name: str = "shoal"
 
@@ -61,7 +62,10 @@ def build_application(config: ClusterConfig) -> Any:
         or engine.max_waiting + engine.max_num_seqs,
         request_router_config={
             "request_router_class": f"{ROUTER.__module__}:{ROUTER.__qualname__}",
-            "request_router_kwargs": {"imbalance_threshold": config.imbalance_threshold},
+            "request_router_kwargs": {
+                "imbalance_threshold": config.imbalance_threshold,
+                "policy": config.policy,
+            },
         },
         graceful_shutdown_timeout_s=server.drain_timeout_s + server.batch_grace_s + 5,
     )(EngineReplica)

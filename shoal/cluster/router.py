@@ -32,8 +32,14 @@ def route_of(pending: PendingRequest | None) -> routing.Route:
 
 
 class SessionAffinityRouter(RequestRouter):
-    def initialize_state(self, imbalance_threshold: int = 8, **kwargs: Any) -> None:
+    def initialize_state(
+        self, imbalance_threshold: int = 8, policy: str = "affine", **kwargs: Any
+    ) -> None:
+        """`policy`: "affine", or "round_robin" (each request to the next replica in turn,
+        as a generic load balancer would send them: the baseline the benchmark measures)."""
         self.imbalance_threshold = imbalance_threshold
+        self.round_robin = policy == "round_robin"
+        self._turn = 0
 
     async def choose_replicas(
         self,
@@ -42,6 +48,9 @@ class SessionAffinityRouter(RequestRouter):
     ) -> list[list[RunningReplica]]:
         route = route_of(pending_request)
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        if self.round_robin and route.replica is None and by_id:
+            self._turn += 1
+            return [[by_id[sorted(by_id)[self._turn % len(by_id)]]]]
         loads = await self._queue_lengths(candidate_replicas) if route.key else {}
         ranks = routing.rank(route, list(by_id), loads, self.imbalance_threshold)
         return [[by_id[r] for r in group] for group in ranks]
