@@ -13,13 +13,12 @@ from pathlib import Path
 
 import httpx
 import pytest
+import ray
 from server_harness import free_port
 
-ray = pytest.importorskip("ray")
-
-from shoal.cluster.app import ClusterConfig, start_local, stop_local  # noqa: E402
-from shoal.config import EngineConfig  # noqa: E402
-from shoal.server.state import ServerConfig  # noqa: E402
+from shoal.cluster.app import ClusterConfig, start_local, stop_local
+from shoal.config import EngineConfig
+from shoal.server.state import ServerConfig
 
 APP = "shoal"
 START_TIMEOUT_S = 240
