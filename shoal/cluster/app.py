@@ -5,6 +5,8 @@ cluster (`shoal cluster deploy --address ...`)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
 import signal
 import threading
 from dataclasses import dataclass
@@ -81,10 +83,15 @@ def build_application(config: ClusterConfig) -> Any:
 def start_local(
     config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None
 ) -> None:
-    """Start a Ray instance on this machine (no dashboard, a small object store) and deploy."""
+    """Start a Ray instance on this machine (no dashboard, a small object store) and deploy.
+
+    Ray's CPUs are a logical count: at least what the deployments ask for (the ingress's too),
+    else replicas of one CPU each on a machine of as many cores would leave the ingress waiting.
+    """
+    wanted = math.ceil(config.replicas * config.replica_cpus + config.ingress_cpus)
     ray.init(
         address="local",
-        num_cpus=num_cpus,
+        num_cpus=max(num_cpus or os.cpu_count() or 1, wanted),
         include_dashboard=False,
         object_store_memory=256 * MiB,
         _node_ip_address=host if host.startswith("127.") else None,
