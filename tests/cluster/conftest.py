@@ -8,31 +8,18 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
-import ray
+from cluster_harness import APP, Cluster
 from server_harness import free_port
 
 from shoal.cluster.app import ClusterConfig, start_local, stop_local
 from shoal.config import EngineConfig
 from shoal.server.state import ServerConfig
 
-APP = "shoal"
 START_TIMEOUT_S = 240
-
-
-@dataclass
-class Cluster:
-    url: str
-    model: str
-    model_dir: Path
-    tier: Path
-
-    def replica_actor(self, replica: str) -> object:
-        return ray.get_actor(f"SERVE_REPLICA::{APP}#engine#{replica}", namespace="serve")
 
 
 @pytest.fixture(scope="package")

@@ -23,7 +23,7 @@ import httpx
 import openai
 import pytest
 import ray
-from conftest import Cluster
+from cluster_harness import Cluster
 
 from shoal import LLM, SamplingParams
 
