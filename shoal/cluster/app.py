@@ -84,6 +84,7 @@ def start_local(
     config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None
 ) -> None:
     """Start a Ray instance on this machine (no dashboard, a small object store) and deploy.
+    The HTTP proxy listens on `host`; Ray's own processes talk over this machine's address.
 
     Ray's CPUs are a logical count: at least what the deployments ask for (the ingress's too),
     else replicas of one CPU each on a machine of as many cores would leave the ingress waiting.
@@ -94,7 +95,6 @@ def start_local(
         num_cpus=max(num_cpus or os.cpu_count() or 1, wanted),
         include_dashboard=False,
         object_store_memory=256 * MiB,
-        _node_ip_address=host if host.startswith("127.") else None,
         log_to_driver=False,
         configure_logging=False,
     )

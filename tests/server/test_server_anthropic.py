@@ -3,6 +3,7 @@ auth, error objects, and Message Batches (round trip, list, cancel, delete, kill
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -232,3 +233,5 @@ def test_x_session_id_keeps_a_messages_conversation_as_a_session(
     claude.messages.create(model=server.model, max_tokens=4, messages=convo, extra_headers=headers)
     assert sessions.get("anthropic-convo") is not None
     assert sessions.stats.hits == hits + 1  # the second turn reused the first's KV
+    # the server is shared: give the session's blocks back for the tests that check the pool
+    assert asyncio.run(server.state.serving.aeng.drop_session("anthropic-convo"))
