@@ -81,9 +81,13 @@ class Ingress:
         """Every live replica's `/metrics`, labelled, and the routing counts."""
         if not STATS.replicas:  # the handle's router learns the replicas on its first request
             await _collect(self._send(Forwarded("GET", "/health"), route=Route()))
-        replicas = list(STATS.replicas)
-        texts = await asyncio.gather(*(self._metrics_of(r) for r in replicas))
-        found = {r: t for r, t in zip(replicas, texts, strict=True) if t is not None}
+        found: dict[str, str] = {}
+        for replica in list(STATS.replicas):
+            # One at a time: the calls one request makes share its id, and Ray Serve's router
+            # matches a chosen replica to a waiting call by that id.
+            text = await self._metrics_of(replica)
+            if text is not None:
+                found[replica] = text
         return metrics.merge(found, STATS.snapshot())
 
     async def _metrics_of(self, replica: str) -> str | None:
