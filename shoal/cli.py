@@ -1,4 +1,5 @@
-"""The `shoal` command: generate, bench, serve, batchify. Thin: parsing here, work elsewhere."""
+"""The `shoal` command: generate, bench, serve, cluster, batchify, quota. Thin: parsing here,
+work elsewhere."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shoal.batchify.cli import add_arguments as batchify_arguments
+from shoal.cluster.cli import add_parser as add_cluster_parser
+from shoal.cluster.cli import add_replica_arguments
 from shoal.config import BACKENDS, EngineConfig, GiB
 from shoal.errors import ShoalError
 from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.server.state import ServerConfig
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -95,13 +102,10 @@ def _bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    import logging
-
-    from shoal.server.app import run_server
+def _server_config(args: argparse.Namespace) -> ServerConfig | None:
+    """The `ServerConfig` the server flags describe; None (after a message) if they are bad."""
     from shoal.server.state import ServerConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if args.quota:  # a bad limits file is a message, before the model loads
         from shoal.server.quota import read_config
 
@@ -109,16 +113,55 @@ def _serve(args: argparse.Namespace) -> int:
             read_config(args.quota)
         except (OSError, ShoalError) as e:
             print(f"shoal serve: --quota: {e}", file=sys.stderr)
-            return 2
-    config = ServerConfig(
-        engine=engine_config(args, max_waiting=args.max_waiting),
+            return None
+    return ServerConfig(
+        engine=engine_config(
+            args, max_waiting=args.max_waiting, session_tier_dir=args.session_tier
+        ),
         data_dir=Path(args.data_dir),
         api_key=args.api_key,
         batch_concurrency=args.batch_concurrency,
         quota_config=Path(args.quota) if args.quota else None,
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    config = _server_config(args)
+    if config is None:
+        return 2
+    if args.replicas:
+        from shoal.cluster.cli import serve_replicas
+
+        return serve_replicas(args, config)
+    from shoal.server.app import run_server
+
     run_server(config, args.host, args.port)
     return 0
+
+
+def _server_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--data-dir", default="./shoal-data", help="files, batches, sessions")
+    serve.add_argument("--api-key", default=None, help="require this Bearer token")
+    serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
+    serve.add_argument(
+        "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
+    )
+    serve.add_argument(
+        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
+    )
+    serve.add_argument(
+        "--session-tier",
+        default=None,
+        help="a folder each finished turn's session KV is written behind to; servers sharing "
+        "it restore each other's sessions (and a restart, the turns a kill -9 cut off)",
+    )
+    _engine_args(serve)
+    _backend_arg(serve)
 
 
 def _batchify(args: argparse.Namespace) -> int:
@@ -150,19 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     bench.set_defaults(func=_bench)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--data-dir", default="./shoal-data", help="files, batches, sessions")
-    serve.add_argument("--api-key", default=None, help="require this Bearer token")
-    serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
-    serve.add_argument(
-        "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
-    )
-    serve.add_argument(
-        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
-    )
-    _engine_args(serve)
-    _backend_arg(serve)
+    _server_arguments(serve)
+    add_replica_arguments(serve)
     serve.set_defaults(func=_serve)
 
     bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")
@@ -170,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     bf.set_defaults(func=_batchify)
 
     add_quota_parser(sub)
+    add_cluster_parser(sub, _server_arguments, _server_config)
 
     args = parser.parse_args(argv)
     try:

@@ -48,6 +48,10 @@ class EngineConfig:
     # temporary folder), at most `disk_cache_bytes` of it, least recently used dropped first.
     cache_dir: str | None = None
     disk_cache_bytes: int = 16 * GiB
+    # A folder several engines share (replicas of a cluster; the next run after a crash): each
+    # finished turn's session KV is written behind there, and a session this engine does not
+    # hold is restored from there (`engine/session_tier.py`; torch backend).
+    session_tier_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -60,5 +64,7 @@ class EngineConfig:
             raise InvalidRequestError("min_batch_size must be >= 1 and batch_wait_s >= 0")
         if self.disk_cache_bytes < 0:
             raise InvalidRequestError("disk_cache_bytes must be >= 0")
+        if self.session_tier_dir is not None and self.backend != "torch":
+            raise InvalidRequestError("session_tier_dir needs the torch backend")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")

@@ -21,6 +21,9 @@ PURE = [
     "shoal.engine.block_pool",
     "shoal.engine.sessions",
     "shoal.engine.session_files",
+    "shoal.engine.session_tier",
+    "shoal.cluster.routing",
+    "shoal.cluster.cli",
     "shoal.engine.kv_cache_manager",
     "shoal.engine.scheduler",
     "shoal.engine.stats",
@@ -84,3 +87,13 @@ def test_the_server_and_the_torch_engine_never_import_mlx() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+def test_only_shoal_cluster_imports_ray() -> None:
+    """`shoal serve` (the command and the app) runs where Ray is not installed."""
+    code = (
+        "import shoal.cli, shoal.server.app, shoal.cluster.cli, shoal.cluster.routing, sys; "
+        "assert 'ray' not in sys.modules, 'ray imported'; print('ok')"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr

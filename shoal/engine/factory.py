@@ -1,6 +1,7 @@
 """Builds an engine's parts from an `EngineConfig` and wires them, once, in dependency order:
-model → pool → runner → disk tier → sessions → KV manager → scheduler → input and output
-processors. The `Engine` only runs the step loop over what it is given."""
+model → pool → runner → disk tier (and the shared session tier) → sessions → KV manager →
+scheduler → input and output processors. The `Engine` only runs the step loop over what it is
+given."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shoal.engine.model_runner import ModelRunner
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.session_files import KVLayout
+from shoal.engine.session_tier import SessionTier
 from shoal.engine.sessions import SessionManager
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
@@ -63,7 +65,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         cfg.head_dim,
     )
     store = SessionStore(runner, layout, config.cache_dir)
-    sessions = SessionManager(pool, store, config.disk_cache_bytes)
+    tier = SessionTier(layout, config.session_tier_dir, store) if config.session_tier_dir else None
+    sessions = SessionManager(pool, store, config.disk_cache_bytes, tier)
     root = root_hash(f"{loaded.fingerprint}:{config.dtype}")
     kv = KVCacheManager(pool, root, config.enable_prefix_caching, sessions)
     return EngineParts(

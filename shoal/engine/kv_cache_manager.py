@@ -87,10 +87,11 @@ class KVCacheManager:
         hit = PrefixHit(blocks, len(blocks) * self.block_size)
         if self.sessions is None or seq.session_id is None or not use_session:
             return hit
-        session = self.sessions.get(seq.session_id)
+        prompt = seq.token_ids()
+        session = self.sessions.find(seq.session_id, prompt)
         if session is None or not session.token_ids:
             return hit
-        n = min(common_prefix_len(session.token_ids, seq.token_ids()), seq.num_tokens - 1)
+        n = min(common_prefix_len(session.token_ids, prompt), seq.num_tokens - 1)
         if n == 0 or n < hit.num_tokens or (n == hit.num_tokens and not session.resident):
             return hit  # restoring from disk would not pay
         if session.state is SessionState.SPILLED and not self.sessions.restore(session):

@@ -60,7 +60,8 @@ def scatter_blocks(caches: KVCaches, block_ids: list[int], kv: torch.Tensor) -> 
 
 
 class SessionStore(FilesTier):
-    """`SessionIO` over the runner's KV caches and the session files."""
+    """`SessionIO` over the runner's KV caches and the session files; also the codec the shared
+    session tier (`session_tier.KVCodec`) moves its bytes with."""
 
     def __init__(self, runner: BlockSource, layout: KVLayout, cache_dir: str | Path | None) -> None:
         self.runner = runner
@@ -72,23 +73,30 @@ class SessionStore(FilesTier):
     def save(
         self, session_id: str, token_ids: list[int], block_ids: list[int], last_used: float
     ) -> bool:
-        kv = gather_blocks(self.runner.kv_caches(), block_ids).contiguous()
-        data = save_tensors({"kv": kv})
-        return self.files.write(session_id, token_ids, last_used, list(kv.shape), data)
+        shape, data = self.encode(self.snapshot(block_ids))
+        return self.files.write(session_id, token_ids, last_used, shape, data)
 
     def load(self, session_id: str, token_ids: list[int]) -> torch.Tensor | None:
         """The session's KV from disk, validated; None (file discarded, warned) if unusable."""
+        return self.files.load(session_id, token_ids, self.read, self.describe)
 
-        def read(path: Path) -> torch.Tensor:
-            with safe_open(path, framework="pt") as st:
-                return st.get_tensor("kv")
+    # -- the codec of the shared tier ----------------------------------------------------
+    def snapshot(self, block_ids: list[int]) -> torch.Tensor:
+        """A CPU copy of the blocks' KV, so the pool may reuse them at once."""
+        return gather_blocks(self.runner.kv_caches(), block_ids).contiguous()
 
-        return self.files.load(
-            session_id,
-            token_ids,
-            read,
-            lambda kv: (list(kv.shape), str(kv.dtype).removeprefix("torch.")),
-        )
+    def encode(self, kv: torch.Tensor) -> tuple[list[int], bytes]:
+        return list(kv.shape), save_tensors({"kv": kv})
+
+    def nbytes(self, kv: torch.Tensor) -> int:
+        return kv.numel() * kv.element_size()
+
+    def read(self, path: Path) -> torch.Tensor:
+        with safe_open(path, framework="pt") as st:
+            return st.get_tensor("kv")
+
+    def describe(self, kv: torch.Tensor) -> tuple[list[int], str]:
+        return list(kv.shape), str(kv.dtype).removeprefix("torch.")
 
     def restore(self, data: torch.Tensor, block_ids: list[int]) -> None:
         scatter_blocks(self.runner.kv_caches(), block_ids, data)

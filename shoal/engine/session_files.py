@@ -156,15 +156,7 @@ class SessionFiles:
         if m is None or m.token_ids != token_ids:
             raise CacheCorruptionError("no disk copy for its tokens")
         path = self.dir / m.tensor_file
-        try:
-            # Mapped, not read: the checksum pass pulls the pages in for the loader that follows.
-            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                if len(mm) != m.nbytes:
-                    raise CacheCorruptionError(f"truncated: {len(mm)} of {m.nbytes} bytes")
-                if checksum(mm) != m.checksum:
-                    raise CacheCorruptionError("checksum mismatch")
-        except (OSError, ValueError) as e:
-            raise CacheCorruptionError(f"unreadable: {e}") from e
+        verify_tensor_file(m, path)
         return m, path
 
     def load(
@@ -181,10 +173,7 @@ class SessionFiles:
         """
         try:
             m, path = self.verified(session_id, token_ids)
-            kv = read(path)
-            shape, dtype = describe(kv)
-            if shape != m.shape or dtype != m.dtype:
-                raise CacheCorruptionError(f"unexpected tensor {dtype} {shape}")
+            kv = read_tensor(m, path, read, describe)
         except Exception as e:
             self.discard(session_id, str(e))
             return None
@@ -218,26 +207,61 @@ class SessionFiles:
 
     def _check_manifest(self, path: Path) -> Manifest | None:
         try:
-            m = Manifest(**json.loads(path.read_text()))
-            lay = self.layout
-            problems = [
-                (m.version != VERSION, f"version {m.version}"),
-                (path.name != f"{session_key(m.session_id)}.json", "misnamed"),
-                (m.fingerprint != lay.fingerprint, "another model's fingerprint"),
-                (m.dtype != lay.dtype, f"dtype {m.dtype}"),
-                (m.block_size != lay.block_size, f"block size {m.block_size}"),
-                (m.shape != lay.shape(len(m.token_ids)) or not m.token_ids, "shape"),
-                (Path(m.tensor_file).name != m.tensor_file, "tensor file path"),
-                ((self.dir / m.tensor_file).stat().st_size != m.nbytes, "truncated"),
-            ]
-            bad = [why for failed, why in problems if failed]
-            if bad:
-                raise CacheCorruptionError(", ".join(bad))
+            return check_manifest(path, self.layout)
         except Exception as e:  # unreadable, malformed or mismatched: never used
             warnings.warn(f"discarding KV cache file {path.name}: {e}", stacklevel=3)
             path.unlink(missing_ok=True)
             return None
-        return m
+
+
+def check_manifest(path: Path, layout: KVLayout) -> Manifest:
+    """The manifest at `path`, checked against `layout` and the tensor file beside it.
+
+    Raises `CacheCorruptionError` (or the read's own error) when it must not be used.
+    """
+    m = Manifest(**json.loads(path.read_text()))
+    problems = [
+        (m.version != VERSION, f"version {m.version}"),
+        (path.name != f"{session_key(m.session_id)}.json", "misnamed"),
+        (m.fingerprint != layout.fingerprint, "another model's fingerprint"),
+        (m.dtype != layout.dtype, f"dtype {m.dtype}"),
+        (m.block_size != layout.block_size, f"block size {m.block_size}"),
+        (m.shape != layout.shape(len(m.token_ids)) or not m.token_ids, "shape"),
+        (Path(m.tensor_file).name != m.tensor_file, "tensor file path"),
+        ((path.parent / m.tensor_file).stat().st_size != m.nbytes, "truncated"),
+    ]
+    bad = [why for failed, why in problems if failed]
+    if bad:
+        raise CacheCorruptionError(", ".join(bad))
+    return m
+
+
+def verify_tensor_file(m: Manifest, path: Path) -> None:
+    """Raise `CacheCorruptionError` unless `path` has the size and checksum `m` names."""
+    try:
+        # Mapped, not read: the checksum pass pulls the pages in for the loader that follows.
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if len(mm) != m.nbytes:
+                raise CacheCorruptionError(f"truncated: {len(mm)} of {m.nbytes} bytes")
+            if checksum(mm) != m.checksum:
+                raise CacheCorruptionError("checksum mismatch")
+    except (OSError, ValueError) as e:
+        raise CacheCorruptionError(f"unreadable: {e}") from e
+
+
+def read_tensor(
+    m: Manifest,
+    path: Path,
+    read: Callable[[Path], T],
+    describe: Callable[[T], tuple[list[int], str]],
+) -> T:
+    """The tensor of a verified file, read by the backend; `CacheCorruptionError` unless its
+    shape and dtype are the manifest's."""
+    kv = read(path)
+    shape, dtype = describe(kv)
+    if shape != m.shape or dtype != m.dtype:
+        raise CacheCorruptionError(f"unexpected tensor {dtype} {shape}")
+    return kv
 
 
 class FilesTier:

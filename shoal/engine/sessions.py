@@ -7,7 +7,8 @@ of three states:
 
     RUNNING   one of its requests is in the running batch: the session is *pinned*
     RESIDENT  idle, its KV in the pool: evictable, least recently used first
-    SPILLED   idle, its KV only in the disk tier: restored when a turn reuses it
+    SPILLED   idle, its KV only in the disk tier (or the shared tier): restored when a turn
+              reuses it
 
     (new) ──start──▶ RUNNING ──finish──▶ RESIDENT ──evict──▶ SPILLED
                         ▲    ╰─finish (KV only on disk)─────────▶ │
@@ -19,6 +20,11 @@ running session's request holds its own reference on every block it uses, so wha
 holds beyond those can still be spilled (`make_room(..., include_running=True)`) when the only
 alternative is preempting a running request. Bytes move through `SessionIO` (the torch side is
 `kv_store`); this module decides what moves and when.
+
+With a shared `SessionTier` (`session_tier.py`), every finished turn is also written behind to
+a folder other engines share, and a session this engine does not hold in its pool is looked up
+there: a copy that covers more of the new prompt than the local disk's is adopted (SPILLED)
+and restored from the tier.
 """
 
 from __future__ import annotations
@@ -28,10 +34,13 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from shoal.engine.block_pool import BlockPool, cdiv
 from shoal.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from shoal.engine.session_tier import SessionTier
 
 
 class SessionState(enum.Enum):
@@ -58,6 +67,7 @@ class Session:
     block_ids: list[int] = field(default_factory=list)  # in-pool KV; empty when not resident
     last_used: float = field(default_factory=time.time)  # wall clock: it is persisted
     saved: bool = False  # the disk tier holds exactly `token_ids`
+    tier_copy: Any = None  # the shared tier's manifest of `token_ids`, when restored from there
 
     @property
     def resident(self) -> bool:
@@ -146,10 +156,13 @@ class SessionIO(Protocol):
 
 
 class SessionManager:
-    def __init__(self, pool: BlockPool, io: SessionIO, disk_cap_bytes: int) -> None:
+    def __init__(
+        self, pool: BlockPool, io: SessionIO, disk_cap_bytes: int, tier: SessionTier | None = None
+    ) -> None:
         self.pool = pool
         self.io = io
         self.disk_cap_bytes = disk_cap_bytes
+        self.tier = tier
         self.stats = SessionStats()
         self._sessions: dict[str, Session] = {}
         for s in io.stored():
@@ -167,6 +180,25 @@ class SessionManager:
 
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
+
+    def find(self, session_id: str, prompt: list[int]) -> Session | None:
+        """The session whose KV a turn with `prompt` should reuse: the one held here, unless it
+        is not in the pool and the shared tier holds a copy covering more of `prompt` (another
+        engine served the later turns, or this one died before saving): that copy is adopted."""
+        session = self._sessions.get(session_id)
+        if self.tier is None or (session is not None and session.state is not SessionState.SPILLED):
+            return session
+        copy = self.tier.peek(session_id)
+        if copy is None or (
+            session is not None
+            and common_prefix_len(session.token_ids, prompt)
+            >= common_prefix_len(copy.token_ids, prompt)
+        ):
+            return session
+        if session is None:
+            session = self._sessions[session_id] = Session(session_id, SessionState.SPILLED)
+        session.token_ids, session.saved, session.tier_copy = list(copy.token_ids), False, copy
+        return session
 
     def infos(self) -> list[SessionInfo]:
         """Every session held in memory or on disk, most recently used first."""
@@ -220,9 +252,13 @@ class SessionManager:
             old = session.block_ids
             session.block_ids, seq.block_table = seq.block_table[:kept], seq.block_table[kept:]
             session.token_ids = seq.tokens_slice(0, n)
-            session.saved = False
+            session.saved, session.tier_copy = False, None
             session.last_used = time.time()
             self.pool.free(reversed(old))
+            if self.tier is not None:
+                self.tier.publish(
+                    session.session_id, session.token_ids, session.block_ids, session.last_used
+                )
         self._settle(session)
 
     def _settle(self, session: Session) -> None:
@@ -242,12 +278,17 @@ class SessionManager:
         if not self.make_room(num_blocks, protect=session):
             return False
         start = time.perf_counter()
-        data = self.io.load(session.session_id, session.token_ids)
+        if session.tier_copy is not None:
+            assert self.tier is not None
+            data = self.tier.load(session.tier_copy)
+        else:
+            data = self.io.load(session.session_id, session.token_ids)
         if data is None:  # corrupt or mismatched: discarded (with a warning), so recompute
             del self._sessions[session.session_id]
             return False
         self.stats.disk_reads += 1
         session.block_ids = self.pool.allocate(num_blocks)
+        session.tier_copy = None
         self.io.restore(data, session.block_ids)
         self._move(session, SessionState.RESIDENT)
         self.stats.restore_latencies.append(time.perf_counter() - start)
@@ -315,7 +356,10 @@ class SessionManager:
 
     # -- control -------------------------------------------------------------------------------
     def flush(self) -> int:
-        """Save every resident session whose disk copy is missing or stale; returns how many."""
+        """Save every resident session whose disk copy is missing or stale; returns how many.
+        Turns queued for the shared tier are written first."""
+        if self.tier is not None:
+            self.tier.drain()
         if not self.io.persistent:
             return 0
         saved = 0
@@ -326,9 +370,12 @@ class SessionManager:
         return saved
 
     def drop(self, session_id: str) -> bool:
-        """Forget a session's KV in memory and on disk; a request of it keeps its own blocks."""
+        """Forget a session's KV in memory, on disk and in the shared tier; a request of it
+        keeps its own blocks."""
         session = self._sessions.pop(session_id, None)
         self.io.delete(session_id)
+        if self.tier is not None:
+            self.tier.delete(session_id)
         if session is None:
             return False
         self.pool.free(reversed(session.block_ids))

@@ -43,6 +43,14 @@ class EngineStats:
         "gauge", "Median session restore (disk read, validation, copy into the pool), ms."
     )
     restore_latency_p95_ms: float = _stat("gauge", "95th percentile session restore, ms.")
+    tier_writes: int = _stat("counter", "Finished turns written to the shared session tier.")
+    tier_reads: int = _stat("counter", "Sessions restored from the shared session tier.")
+    tier_write_failures: int = _stat("counter", "Turns the shared session tier failed to write.")
+    tier_pending: int = _stat("gauge", "Turns queued for the shared session tier.")
+    tier_lag_p95_ms: float = _stat(
+        "gauge", "95th percentile lag from a turn's end to its durable tier copy, ms."
+    )
+    tier_lag_max_ms: float = _stat("gauge", "Longest lag to a durable tier copy so far, ms.")
 
     @classmethod
     def collect(
@@ -80,4 +88,20 @@ class EngineStats:
             disk_writes=ss.disk_writes,
             restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
             restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
+            **_tier_stats(sessions),
         )
+
+
+def _tier_stats(sessions: SessionManager) -> dict[str, Any]:
+    tier = sessions.tier
+    if tier is None:
+        return {}
+    ts = tier.stats
+    return {
+        "tier_writes": ts.writes,
+        "tier_reads": ts.reads,
+        "tier_write_failures": ts.write_failures,
+        "tier_pending": tier.pending,
+        "tier_lag_p95_ms": 1e3 * ts.lag_percentile(0.95),
+        "tier_lag_max_ms": 1e3 * ts.max_lag,
+    }

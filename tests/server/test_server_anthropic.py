@@ -3,6 +3,7 @@ auth, error objects, and Message Batches (round trip, list, cancel, delete, kill
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -213,3 +214,24 @@ def test_message_batch_survives_kill_9(
     assert ended.request_counts.succeeded == n
     ids = [r.custom_id for r in claude.messages.batches.results(batch.id)]
     assert sorted(ids) == sorted(f"k{i}" for i in range(n))  # nothing lost, nothing twice
+
+
+def test_x_session_id_keeps_a_messages_conversation_as_a_session(
+    claude: anthropic.Anthropic, server: LiveServer
+) -> None:
+    sessions = server.state.engine.sessions
+    convo: list[anthropic.types.MessageParam] = [{"role": "user", "content": "Hello world"}]
+    headers = {"X-Session-Id": "anthropic-convo"}
+    first = claude.messages.create(
+        model=server.model, max_tokens=4, messages=convo, extra_headers=headers
+    )
+    hits = sessions.stats.hits
+    convo += [
+        {"role": "assistant", "content": first.content[0].text},  # type: ignore[union-attr]
+        {"role": "user", "content": "and then?"},
+    ]
+    claude.messages.create(model=server.model, max_tokens=4, messages=convo, extra_headers=headers)
+    assert sessions.get("anthropic-convo") is not None
+    assert sessions.stats.hits == hits + 1  # the second turn reused the first's KV
+    # the server is shared: give the session's blocks back for the tests that check the pool
+    assert asyncio.run(server.state.serving.aeng.drop_session("anthropic-convo"))

@@ -21,7 +21,7 @@ from shoal.server.anthropic.protocol import ContentBlock, MessagesRequest
 from shoal.server.errors import APIError, to_api_error
 from shoal.server.ids import new_id
 from shoal.server.protocol import ChatCompletionRequest
-from shoal.server.routes import SSEResponse, unless_disconnected
+from shoal.server.routes import SessionHeader, SSEResponse, unless_disconnected
 from shoal.server.serving import Prepared, Serving, prepare_chat, respond, start_stream
 from shoal.server.state import ServerState, get_state
 
@@ -62,8 +62,10 @@ def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from e
 
 
-async def prepare(srv: Serving, req: MessagesRequest, priority: int = 0) -> Prepared:
-    prep = await prepare_chat(srv, to_chat(req), priority=priority)
+async def prepare(
+    srv: Serving, req: MessagesRequest, priority: int = 0, session_id: str | None = None
+) -> Prepared:
+    prep = await prepare_chat(srv, to_chat(req), priority=priority, session_id=session_id)
     prep.rid = new_id("msg_")
     return prep
 
@@ -134,9 +136,12 @@ async def stream_events(
 
 
 @router.post("/v1/messages")
-async def create_message(request: Request, state: State, req: MessagesRequest) -> Response:
+async def create_message(
+    request: Request, state: State, req: MessagesRequest, x_session_id: SessionHeader = None
+) -> Response:
+    """`X-Session-Id` makes the conversation a session, as on the OpenAI routes."""
     srv = state.serving
-    prep = await prepare(srv, req)
+    prep = await prepare(srv, req, session_id=x_session_id)
     if req.stream:
         gen, first = await start_stream(srv, prep)
         return SSEResponse(

@@ -1,0 +1,129 @@
+"""The Ray Serve application: an `Ingress` deployment in front of N `EngineReplica`s, and the two
+ways to start it: on a local Ray started here (`shoal serve --replicas N`), or on an existing
+cluster (`shoal cluster deploy --address ...`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray import serve
+
+from shoal.cluster.ingress import Ingress
+from shoal.cluster.replica import EngineReplica
+from shoal.cluster.router import SessionAffinityRouter as ROUTER
+from shoal.server.state import ServerConfig
+
+MiB = 1 << 20
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    """How many engine replicas, what each may use, and how requests find them.
+
+    Every replica runs `server` (its engine, limits, auth, batch settings) with its own data
+    dir under `server.data_dir`; `session_tier` (default `<data dir>/session-tier`) must be
+    one folder every replica sees, on shared storage when replicas span machines.
+    """
+
+    server: ServerConfig
+    replicas: int = 2
+    replica_cpus: float = 1.0
+    replica_gpus: float = 0.0
+    ingress_cpus: float = 0.1
+    session_tier: Path | None = None
+    imbalance_threshold: int = 8  # queue length over the lightest replica's before a move
+    policy: str = "affine"  # or "round_robin": the baseline of benchmarks/cluster_sessions.py
+    max_ongoing_requests: int = 0  # per replica; 0: the engine's max_waiting + max_num_seqs
+    app_name: str = "shoal"
+
+    def replica_server(self) -> ServerConfig:
+        tier = self.session_tier or self.server.data_dir / "session-tier"
+        engine = dataclasses.replace(
+            self.server.engine, session_tier_dir=str(tier), cache_dir=None
+        )
+        return dataclasses.replace(self.server, engine=engine)
+
+
+def build_application(config: ClusterConfig) -> Any:
+    """The bound application `serve.run` deploys."""
+    server = config.replica_server()
+    engine = server.engine
+    replica = serve.deployment(
+        name="engine",
+        num_replicas=config.replicas,
+        ray_actor_options={"num_cpus": config.replica_cpus, "num_gpus": config.replica_gpus},
+        max_ongoing_requests=config.max_ongoing_requests
+        or engine.max_waiting + engine.max_num_seqs,
+        request_router_config={
+            "request_router_class": f"{ROUTER.__module__}:{ROUTER.__qualname__}",
+            "request_router_kwargs": {
+                "imbalance_threshold": config.imbalance_threshold,
+                "policy": config.policy,
+            },
+        },
+        graceful_shutdown_timeout_s=server.drain_timeout_s + server.batch_grace_s + 5,
+    )(EngineReplica)
+    ingress = serve.deployment(
+        name="ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": config.ingress_cpus},
+        max_ongoing_requests=100_000,
+    )(Ingress)
+    return ingress.bind(replica.bind(server), server.max_upload_bytes)
+
+
+def start_local(
+    config: ClusterConfig, host: str = "127.0.0.1", port: int = 8000, num_cpus: int | None = None
+) -> None:
+    """Start a Ray instance on this machine (no dashboard, a small object store) and deploy.
+    The HTTP proxy listens on `host`; Ray's own processes talk over this machine's address.
+
+    Ray's CPUs are a logical count: at least what the deployments ask for (the ingress's too),
+    else replicas of one CPU each on a machine of as many cores would leave the ingress waiting.
+    """
+    wanted = math.ceil(config.replicas * config.replica_cpus + config.ingress_cpus)
+    ray.init(
+        address="local",
+        num_cpus=max(num_cpus or os.cpu_count() or 1, wanted),
+        include_dashboard=False,
+        object_store_memory=256 * MiB,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    serve.start(
+        http_options={"host": host, "port": port},
+        logging_config={"enable_access_log": False},
+    )
+    deploy(config)
+
+
+def deploy(config: ClusterConfig) -> None:
+    """Deploy (or update) the application on the Ray cluster this process is connected to;
+    returns once every replica is up."""
+    serve.run(build_application(config), name=config.app_name, route_prefix="/", blocking=False)
+
+
+def stop_local() -> None:
+    serve.shutdown()
+    ray.shutdown()
+
+
+def serve_until_signalled(config: ClusterConfig, host: str, port: int) -> None:
+    """`shoal serve --replicas N`: start locally, answer until SIGINT/SIGTERM, shut down."""
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    start_local(config, host, port)
+    try:
+        print(f"shoal cluster: {config.replicas} replicas at http://{host}:{port}", flush=True)
+        stop.wait()
+    finally:
+        stop_local()

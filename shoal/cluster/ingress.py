@@ -1,0 +1,116 @@
+"""`Ingress`: the cluster's HTTP entry, a Ray Serve deployment in front of the engine replicas.
+
+Every path `shoal serve` answers (OpenAI, Anthropic, Files and Batch APIs, health) is
+forwarded whole to one replica through a `DeploymentHandle`, whose `SessionAffinityRouter`
+picks the replica from the request's `Route` (`routing.route_for`: session id, prompt prefix,
+or the batch API's one home). The answer streams back as the replica's app sent it: status,
+headers (plus `x-shoal-replica`), body chunks, SSE included. `/metrics` gathers every live
+replica's metrics with a `replica` label and adds the session placement counts.
+
+A replica that dies before answering is retried once on another; if none answers, the client
+gets a 503 with `Retry-After` in its API's error shape, which the official SDKs retry. A stream
+cut by a replica's death ends early (what was sent cannot be taken back).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from shoal.cluster import metrics
+from shoal.cluster.asgi import Forwarded, ResponseHead
+from shoal.cluster.replica import REPLICA_HEADER
+from shoal.cluster.routing import STATS, Route, route_for
+from shoal.server.errors import APIError, error_response
+
+log = logging.getLogger("shoal.cluster")
+RETRIES = 1  # another replica after one that died before answering
+METRICS_TIMEOUT_S = 10.0
+
+
+class Ingress:
+    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
+        self.replicas = replicas.options(stream=True)
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, request: Request) -> Response:
+        path = request.url.path
+        body = await request.body()
+        if len(body) > self.max_body_bytes:
+            return error_response(APIError(413, "request body too large"), path)
+        if request.method == "GET" and path == "/metrics":
+            return Response(await self.metrics(), media_type="text/plain; version=0.0.4")
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        route = route_for(request.method, path, headers, body)
+        forwarded = Forwarded(
+            request.method, path, request.url.query.encode(), request.headers.raw, body
+        )
+        for attempt in range(RETRIES + 1):
+            stream = self._send(forwarded, route=route)
+            try:
+                head = await stream.__anext__()
+            except RayActorError as e:
+                log.warning("replica died before answering (attempt %d): %s", attempt + 1, e)
+                continue
+            except StopAsyncIteration:
+                break
+            assert isinstance(head, ResponseHead)
+            replica = dict(head.headers).get(REPLICA_HEADER.encode(), b"").decode()
+            STATS.routed(route, replica)
+            response = StreamingResponse(_body(stream), status_code=head.status)
+            response.raw_headers = head.headers
+            return response
+        unavailable = APIError(
+            503, "no engine replica could answer; retry", headers={"Retry-After": "1"}
+        )
+        return error_response(unavailable, path)
+
+    def _send(self, request: Forwarded, route: Route) -> DeploymentResponseGenerator[Any]:
+        return cast(
+            DeploymentResponseGenerator[Any], self.replicas.handle.remote(request, route=route)
+        )
+
+    async def metrics(self) -> bytes:
+        """Every live replica's `/metrics`, labelled, and the routing counts."""
+        if not STATS.replicas:  # the handle's router learns the replicas on its first request
+            await _collect(self._send(Forwarded("GET", "/health"), route=Route()))
+        found: dict[str, str] = {}
+        for replica in list(STATS.replicas):
+            # One at a time: the calls one request makes share its id, and Ray Serve's router
+            # matches a chosen replica to a waiting call by that id.
+            text = await self._metrics_of(replica)
+            if text is not None:
+                found[replica] = text
+        return metrics.merge(found, STATS.snapshot())
+
+    async def _metrics_of(self, replica: str) -> str | None:
+        pinned = Route(replica=replica)
+        stream = self._send(Forwarded("GET", "/metrics"), route=pinned)
+        try:
+            parts = await asyncio.wait_for(_collect(stream), METRICS_TIMEOUT_S)
+        except (TimeoutError, RayActorError) as e:
+            log.warning("no metrics from replica %s: %s", replica, e)
+            stream.cancel()
+            return None
+        return b"".join(p for p in parts if isinstance(p, bytes)).decode()
+
+
+async def _collect(stream: DeploymentResponseGenerator[Any]) -> list[Any]:
+    return [part async for part in stream]
+
+
+async def _body(stream: DeploymentResponseGenerator[Any]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    except RayActorError as e:
+        log.warning("replica died mid-answer: %s", e)
+    finally:
+        stream.cancel()  # the client left (or the answer ended): the replica aborts its work

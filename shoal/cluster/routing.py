@@ -1,0 +1,157 @@
+"""Where a request should go, decided without Ray: its `Route` (session, affinity key or a
+pinned replica), the rendezvous order of the live replicas for a key, the ranking the request
+router hands Ray Serve, and the per-replica session counts behind the hit rate.
+
+Rendezvous (highest random weight) hashing: every replica scores `hash(key, replica)` and the
+highest score is the key's home. A replica that leaves moves only its own keys (each to its
+next-best replica) and one that joins takes only the keys it now wins, so the sessions of the
+replicas that stay where they are never move.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+SESSION_HEADER = "x-session-id"
+BATCH_API = ("/v1/files", "/v1/batches", "/v1/messages/batches")
+GENERATION_API = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+PREFIX_CHARS = 512  # of the prompt's text: enough to tell system prompts apart
+BATCH_KEY = "shoal:batch-api"  # one home for the Files and Batch APIs (a replica's own store)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """What the request router needs to know of one request."""
+
+    session_id: str | None = None  # a session's turn: its home replica holds the session's KV
+    affinity: str | None = None  # no session: a key (prompt prefix, batch API) that prefers a home
+    replica: str | None = None  # pinned to one replica (the metrics fan-out); nothing else
+
+    @property
+    def key(self) -> str | None:
+        return self.session_id or self.affinity
+
+
+def route_for(method: str, path: str, headers: Mapping[str, str], body: bytes) -> Route:
+    """The route of an HTTP request: its session id (the `X-Session-Id` header, or the body's
+    `session_id`), else its prompt prefix, else nothing (load alone decides)."""
+    if path.startswith(BATCH_API):
+        return Route(affinity=BATCH_KEY)
+    session_id = headers.get(SESSION_HEADER) or None
+    if method != "POST" or path not in GENERATION_API or session_id:
+        return Route(session_id=session_id)
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return Route()
+    if isinstance(data.get("session_id"), str) and data["session_id"]:
+        return Route(session_id=data["session_id"])
+    prefix = prompt_prefix(data)
+    return Route(affinity=prefix) if prefix else Route()
+
+
+def prompt_prefix(body: dict[str, Any]) -> str:
+    """The first `PREFIX_CHARS` characters of a completion, chat or Messages request's text."""
+    parts: list[str] = []
+    for name in ("system", "prompt"):
+        if name in body:
+            parts.append(_text(body[name]))
+    for message in body.get("messages") or []:
+        if isinstance(message, dict):
+            parts.append(_text(message.get("content")))
+    return "\n".join(parts)[:PREFIX_CHARS]
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts, token ids, or a batch of prompts
+        return " ".join(_text(p.get("text")) if isinstance(p, dict) else _text(p) for p in content)
+    return "" if content is None else str(content)
+
+
+def rendezvous(key: str, replicas: Iterable[str]) -> list[str]:
+    """`replicas` in the key's order of preference: its home first."""
+
+    def score(replica: str) -> bytes:
+        return hashlib.blake2b(f"{key}\0{replica}".encode(), digest_size=8).digest()
+
+    return sorted(replicas, key=score, reverse=True)
+
+
+def rank(
+    route: Route, replicas: list[str], loads: Mapping[str, int], imbalance_threshold: int
+) -> list[list[str]]:
+    """Ranks of replicas to try, most preferred first (Ray Serve takes the first rank with a
+    replica whose queue is not full, the least loaded within it).
+
+    A keyed request goes to its home unless the home's queue is longer than the shortest one
+    by more than `imbalance_threshold` (then the least loaded take it and the home comes last);
+    without a key, any replica, least loaded first. A pinned request goes to its replica only.
+    """
+    if route.replica is not None:
+        return [[route.replica]] if route.replica in replicas else []
+    if not replicas:
+        return []
+    if route.key is None:
+        return [list(replicas)]
+    home, *others = rendezvous(route.key, replicas)
+    others.sort(key=lambda r: loads.get(r, 0))
+    lightest = min(loads.get(r, 0) for r in replicas)
+    if loads.get(home, 0) - lightest > imbalance_threshold:
+        return [others, [home]] if others else [[home]]
+    return [[home], others] if others else [[home]]
+
+
+@dataclass(slots=True)
+class ReplicaCounts:
+    hits: int = 0  # a session's request sent where its previous one went
+    moved: int = 0  # sent elsewhere (its home was overloaded or gone)
+    new: int = 0  # a session's first request seen by this router
+
+    @property
+    def hit_rate(self) -> float:
+        seen = self.hits + self.moved
+        return self.hits / seen if seen else 1.0
+
+
+@dataclass
+class RoutingStats:
+    """Per-replica session placement, as the router saw it (one per process)."""
+
+    max_sessions: int = 100_000
+    replicas: list[str] = field(default_factory=list)  # live, as of the router's last update
+    counts: dict[str, ReplicaCounts] = field(default_factory=dict)
+    _last: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def routed(self, route: Route, replica: str) -> None:
+        if route.session_id is None:
+            return
+        with self._lock:
+            counts = self.counts.setdefault(replica, ReplicaCounts())
+            previous = self._last.pop(route.session_id, None)
+            if previous is None:
+                counts.new += 1
+            elif previous == replica:
+                counts.hits += 1
+            else:
+                counts.moved += 1
+            self._last[route.session_id] = replica
+            if len(self._last) > self.max_sessions:
+                self._last.popitem(last=False)
+
+    def snapshot(self) -> dict[str, ReplicaCounts]:
+        with self._lock:
+            return {r: ReplicaCounts(c.hits, c.moved, c.new) for r, c in self.counts.items()}
+
+
+STATS = RoutingStats()  # what this process's routers saw; the ingress exports it

@@ -1,0 +1,48 @@
+"""One local Ray cluster for every cluster test: an ingress and 2 engine replicas of the tiny
+chat model on 127.0.0.1, sharing a session tier; stopped when the cluster tests are done.
+
+On 2 cores: replicas at half a CPU each, no dashboard, a small object store, every wait bounded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cluster_harness import APP, Cluster
+from server_harness import free_port
+
+from shoal.cluster.app import ClusterConfig, start_local, stop_local
+from shoal.config import EngineConfig
+from shoal.server.state import ServerConfig
+
+START_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="package")
+def cluster(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    data = tmp_path_factory.mktemp("cluster")
+    engine = EngineConfig(model=str(tiny_chat_model), num_blocks=512, max_waiting=256)
+    config = ClusterConfig(
+        ServerConfig(engine=engine, data_dir=data, drain_timeout_s=2.0, batch_grace_s=0.5),
+        replicas=2,
+        replica_cpus=0.5,
+        app_name=APP,
+    )
+    port = free_port()
+    started = time.monotonic()
+    start_local(config, "127.0.0.1", port, num_cpus=2)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while httpx.get(f"{url}/health", timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "the cluster did not become ready"
+            time.sleep(0.2)
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+        print(f"cluster ready in {time.monotonic() - started:.1f} s")
+        yield Cluster(url, model, tiny_chat_model, data / "session-tier")
+    finally:
+        stop_local()
