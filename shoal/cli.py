@@ -116,6 +116,8 @@ def _serve(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         batch_concurrency=args.batch_concurrency,
         quota_config=Path(args.quota) if args.quota else None,
+        store=args.store,
+        batch_lease_s=args.batch_lease_s,
     )
     run_server(config, args.host, args.port)
     return 0
@@ -160,6 +162,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument(
         "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
+    )
+    serve.add_argument(
+        "--store",
+        default=None,
+        help="files and batches: a path, sqlite:///path.db or postgresql://user@host/db, "
+        "shared by every server given the same one (default: SQLite in --data-dir)",
+    )
+    serve.add_argument(
+        "--batch-lease-s",
+        type=float,
+        default=10.0,
+        help="a dead server's batch lines go to the others after this many seconds",
     )
     _engine_args(serve)
     _backend_arg(serve)
