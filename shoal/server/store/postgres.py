@@ -149,7 +149,12 @@ class PostgresStore(Store):
         except psycopg.Error as e:
             raise StoreError(f"cannot open the store {self.url}: {e}".strip()) from e
         self.pool = ConnectionPool(
-            url, min_size=1, max_size=max_connections, kwargs=kwargs, open=False
+            url,
+            min_size=1,
+            max_size=max_connections,
+            kwargs=kwargs,
+            timeout=connect_timeout_s,  # how long a call waits for a connection
+            open=False,
         )
         self.pool.open(wait=True, timeout=connect_timeout_s)
         self.blobs = TableBlobs(self.pool)
