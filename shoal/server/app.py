@@ -26,6 +26,7 @@ from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol, create_engine
 from shoal.quota.errors import QuotaError
 from shoal.quota.http import create_router
+from shoal.quota.metrics import QuotaMetrics
 from shoal.server import batches, files, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
@@ -73,6 +74,8 @@ def create_app(
         eng = engine or build_engine(config)
         aeng = AsyncEngine(eng)
         serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()))
+        if gate is not None:  # the quota's counters and usage join the server's /metrics
+            gate.service.metrics = QuotaMetrics(gate.service, serving.metrics.registry)
         runner = BatchRunner(
             db,
             serving,

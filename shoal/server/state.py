@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from shoal.config import EngineConfig
-from shoal.server.store import Store, redact
+from shoal.server.store import Store
+from shoal.urls import redact
 
 if TYPE_CHECKING:
     from shoal.engine.protocol import EngineProtocol

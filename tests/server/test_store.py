@@ -17,7 +17,8 @@ import pytest
 from server_fixtures import STORES, fresh_store
 from server_harness import free_port
 
-from shoal.server.store import BatchStatus, OutputFile, Store, StoreError, open_store, redact
+from shoal.server.store import BatchStatus, OutputFile, Store, StoreError, open_store
+from shoal.urls import redact
 
 
 @pytest.fixture(params=STORES)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.server.store.base import OutputFile, Store, StoreError, redact
+from shoal.server.store.base import OutputFile, Store, StoreError
 from shoal.server.store.status import ACTIVE, CLOSING, TERMINAL, BatchStatus
 
 __all__ = [
@@ -17,7 +17,6 @@ __all__ = [
     "Store",
     "StoreError",
     "open_store",
-    "redact",
 ]
 
 

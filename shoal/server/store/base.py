@@ -26,7 +26,6 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
 
 from shoal.errors import ShoalError
 from shoal.server.ids import new_id, storable
@@ -36,15 +35,6 @@ from shoal.server.store.status import CLOSING, BatchStatus
 class StoreError(ShoalError):
     """The store cannot be opened or reached (a bad URL, a missing folder, a database that
     does not answer)."""
-
-
-def redact(url: str) -> str:
-    """`url` without its password, for logs and metrics."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.netloc.rpartition("@")[2]
-    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
 
 
 class Blobs(Protocol):

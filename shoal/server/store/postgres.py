@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from shoal.server.store.base import Store, StoreError, Tx, redact
+from shoal.server.store.base import Store, StoreError, Tx
+from shoal.urls import redact
 
 CHUNK = 1 << 20
 SCHEMA = """
