@@ -341,32 +341,47 @@ class Store(ABC):
             have = tx.q("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()
             if int(have[0]) >= len(keys):
                 return
-            tx.many(
-                "INSERT INTO lines (batch_id, custom_id, line) VALUES (?, ?, ?) "
-                "ON CONFLICT DO NOTHING",
-                [(batch_id, cid, no) for cid, no in keys],
-            )
+            self._insert_lines(tx, batch_id, keys)
             tx.q(
                 "UPDATE lines SET done = 1 WHERE batch_id = ? AND done = 0 AND custom_id IN "
                 "(SELECT custom_id FROM results WHERE batch_id = ?)",
                 (batch_id, batch_id),
             )
 
+    def _insert_lines(self, tx: Tx, batch_id: str, keys: Sequence[tuple[str, int]]) -> None:
+        tx.many(
+            "INSERT INTO lines (batch_id, custom_id, line) VALUES (?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            [(batch_id, cid, no) for cid, no in keys],
+        )
+
     def claim_lines(self, batch_id: str, replica: str, limit: int) -> list[str]:
-        """Up to `limit` unfinished lines nobody alive holds, now `replica`'s, in file order."""
+        """Up to `limit` unfinished lines nobody alive holds, now `replica`'s, in file order.
+
+        The update re-checks each row against the rule: under concurrent claims PostgreSQL's
+        search may return a row that another claimer took since it looked, and only the
+        update sees the row's latest owner (the rule reads `replicas` in a subquery, not a
+        join, for that re-check to hold)."""
+        free = (
+            "done = 0 AND (owner IS NULL OR (owner <> ? AND owner NOT IN "
+            f"(SELECT id FROM replicas WHERE expires_at >= {self.NOW})))"
+        )
         with self._tx() as tx:
             rows = tx.q(
-                "SELECT l.custom_id FROM lines l LEFT JOIN replicas r ON r.id = l.owner "
-                "WHERE l.batch_id = ? AND l.done = 0 AND (l.owner IS NULL OR "
-                f"(l.owner <> ? AND (r.id IS NULL OR r.expires_at < {self.NOW}))) "
-                f"ORDER BY l.line LIMIT ?{self.CLAIM_LOCK}",
+                f"SELECT custom_id FROM lines WHERE batch_id = ? AND {free} "
+                f"ORDER BY line LIMIT ?{self.CLAIM_LOCK}",
                 (batch_id, replica, limit),
             ).fetchall()
             ids = [r[0] for r in rows]
-            if ids:
-                where = f"batch_id = ? AND custom_id IN ({_marks(ids)})"
-                tx.q(f"UPDATE lines SET owner = ? WHERE {where}", (replica, batch_id, *ids))
-            return ids
+            if not ids:
+                return []
+            won = tx.q(
+                f"UPDATE lines SET owner = ? WHERE batch_id = ? AND {free} "
+                f"AND custom_id IN ({_marks(ids)}) RETURNING custom_id",
+                (replica, batch_id, replica, *ids),
+            ).fetchall()
+        taken = {r[0] for r in won}
+        return [i for i in ids if i in taken]
 
     def lines_left(self, batch_id: str) -> int:
         sql = "SELECT COUNT(*) FROM lines WHERE batch_id = ? AND done = 0"

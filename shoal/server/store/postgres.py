@@ -6,12 +6,12 @@ transaction per file), so every replica reads every file with no shared disk, an
 backed up, replicated and deleted with the rest of the state. Row locks stand in for SQLite's
 single writer: `FOR UPDATE` on a batch row for each status change, `FOR SHARE` while a result
 is written (so no result lands after its batch left `in_progress`), and `SKIP LOCKED` so
-replicas claiming lines at the same moment take different ones.
+replicas claiming lines at the same moment look at different ones.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -130,7 +130,7 @@ class PostgresStore(Store):
     NOW = "extract(epoch from clock_timestamp())::float8"
     FOR_UPDATE = " FOR UPDATE"
     FOR_SHARE = " FOR SHARE"
-    CLAIM_LOCK = " FOR UPDATE OF l SKIP LOCKED"
+    CLAIM_LOCK = " FOR UPDATE SKIP LOCKED"
 
     def __init__(self, url: str, *, max_connections: int = 8, connect_timeout_s: int = 10):
         try:
@@ -173,3 +173,11 @@ class PostgresStore(Store):
 
     def _json(self, field: str) -> str:
         return f"(obj::json ->> '{field}')"
+
+    def _insert_lines(self, tx: Tx, batch_id: str, keys: Sequence[tuple[str, int]]) -> None:
+        """One statement for the whole file (50,000 lines: a fraction of a second)."""
+        tx.q(
+            "INSERT INTO lines (batch_id, custom_id, line) "
+            "SELECT ?, * FROM unnest(?::text[], ?::int[]) ON CONFLICT DO NOTHING",
+            (batch_id, [cid for cid, _ in keys], [no for _, no in keys]),
+        )
