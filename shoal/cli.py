@@ -110,6 +110,9 @@ def _serve(args: argparse.Namespace) -> int:
         except (OSError, ShoalError) as e:
             print(f"shoal serve: --quota: {e}", file=sys.stderr)
             return 2
+    if args.batch_lease_s <= 0:
+        print("shoal serve: --batch-lease-s must be positive", file=sys.stderr)
+        return 2
     config = ServerConfig(
         engine=engine_config(args, max_waiting=args.max_waiting),
         data_dir=Path(args.data_dir),

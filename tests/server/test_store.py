@@ -6,6 +6,8 @@ and a store that cannot be opened says why."""
 from __future__ import annotations
 
 import sqlite3
+import subprocess
+import sys
 import threading
 import time
 from collections import Counter
@@ -199,3 +201,33 @@ def test_a_store_that_cannot_be_opened_says_why(tmp_path: Path) -> None:
     assert "cannot open the store" in str(info.value) and "secret" not in str(info.value)
     assert time.monotonic() - started < 15
     assert redact(url) == url.replace("secret", "***")
+
+
+def test_only_a_postgresql_store_imports_psycopg(tmp_path: Path) -> None:
+    code = (
+        "import sys\n"
+        "from shoal.server.app import create_app\n"
+        "from shoal.server.store import open_store\n"
+        "open_store(sys.argv[1]).close()\n"
+        "assert not [m for m in sys.modules if m.startswith('psycopg')]\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "s.db")], capture_output=True, text=True
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_serve_with_a_store_it_cannot_open_stops_before_loading_a_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from shoal.cli import main
+
+    store = f"postgresql://shoal:secret@127.0.0.1:{free_port()}/shoal"
+    argv = ["serve", "--model", str(tmp_path / "no-model"), "--data-dir", str(tmp_path / "d")]
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--store", store])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.startswith("shoal serve: cannot open the store")
+    assert err.count("\n") == 1 and "secret" not in err
+    assert main([*argv, "--batch-lease-s", "0"]) == 2

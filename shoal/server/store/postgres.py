@@ -147,8 +147,8 @@ class PostgresStore(Store):
             with psycopg.connect(url, connect_timeout=connect_timeout_s) as conn:
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (_SCHEMA_LOCK,))
                 conn.execute(SCHEMA)
-        except psycopg.Error as e:
-            raise StoreError(f"cannot open the store {self.url}: {e}".strip()) from e
+        except psycopg.Error as e:  # libpq's message has a hint on a second line: one line
+            raise StoreError(f"cannot open the store {self.url}: {' '.join(str(e).split())}") from e
         self.pool = ConnectionPool(
             url,
             min_size=1,
@@ -169,7 +169,7 @@ class PostgresStore(Store):
             with self.pool.connection() as conn:  # commits at the end, rolls back on error
                 yield Tx(conn, "%s")
         except self._errors as e:
-            raise StoreError(f"the store {self.url} failed: {e}") from e
+            raise StoreError(f"the store {self.url} failed: {' '.join(str(e).split())}") from e
 
     def _json(self, field: str) -> str:
         return f"(obj::json ->> '{field}')"
