@@ -18,7 +18,6 @@ their lines back.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -28,14 +27,21 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from shoal.server.anthropic import messages as anthropic_messages
+from shoal.server.batch_output import output_files, result_line
 from shoal.server.errors import error_body, to_api_error
 from shoal.server.formatting import batch_usage
-from shoal.server.ids import new_id
 from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.replica import Heartbeat
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
-from shoal.server.store import ACTIVE, CLOSING, TERMINAL, BatchStatus, OutputFile, Store
+from shoal.server.store import (
+    ACTIVE,
+    CLOSING,
+    TERMINAL,
+    BatchStatus,
+    Store,
+    StoreError,
+)
 
 __all__ = ["ACTIVE", "TERMINAL", "BatchRunner", "BatchStatus", "LineResult", "execute_line"]
 
@@ -75,18 +81,6 @@ async def execute_line(
         return LineResult(err.status, err.body())
     usage = result["usage"]
     return LineResult(200, result, usage["prompt_tokens"], usage["completion_tokens"])
-
-
-_NOT_RUN = {
-    BatchStatus.EXPIRED: (
-        "batch_expired",
-        "This request could not be executed before the completion window expired.",
-    ),
-    BatchStatus.CANCELLED: (
-        "batch_cancelled",
-        "This request was not executed because the batch was cancelled.",
-    ),
-}
 
 
 class BatchRunner:
@@ -269,33 +263,14 @@ class BatchRunner:
         checked = time.monotonic()
         try:
             while not (self._stopping or cancel.is_set()):
-                if time.monotonic() - checked >= self.watch_s:  # cancelled elsewhere?
-                    checked = time.monotonic()
-                    now = await self._call(self.store.get_batch, batch_id)
-                    if now is None or now["status"] != BatchStatus.IN_PROGRESS:
+                look = time.monotonic() - checked >= self.watch_s  # cancelled elsewhere?
+                checked = time.monotonic() if look else checked
+                try:
+                    if not await self._step(batch_id, by_id, expires_at, inflight, look):
                         break
-                if expires_at is not None and time.time() >= expires_at:
-                    await self._call(self._close, batch_id, expired=True)
-                    break
-                free = self._capacity - self._busy
-                claimed = []
-                if free > 0:
-                    claimed = await self._call(self.store.claim_lines, batch_id, self.replica, free)
-                for custom_id in claimed:
-                    self._launch(batch_id, by_id[custom_id], inflight)
-                if claimed:
-                    continue
-                if free > 0 and not inflight:
-                    if not await self._call(self.store.lines_left, batch_id):
-                        await self._call(self._close, batch_id, expired=False)
-                        break  # closed here or by another replica: the caller reads which
-                    await asyncio.sleep(self.watch_s)  # the rest are other replicas' now
-                elif inflight:
-                    await asyncio.wait(
-                        inflight, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED
-                    )
-                else:  # other batches hold every slot
-                    await asyncio.sleep(self.poll_s)
+                except StoreError:  # in-flight lines go on; their results wait for it
+                    log.warning("the store failed; batch %s waits", batch_id, exc_info=True)
+                    await asyncio.sleep(self.watch_s)
             while self._stopping and inflight and not cancel.is_set():
                 await asyncio.wait(inflight, timeout=self.poll_s)  # the grace period
         finally:
@@ -303,6 +278,42 @@ class BatchRunner:
                 t.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
+
+    async def _step(
+        self,
+        batch_id: str,
+        by_id: dict[str, BatchLine],
+        expires_at: int | None,
+        inflight: set[asyncio.Task[None]],
+        look: bool,
+    ) -> bool:
+        """One round: check the status (when `look`) and the expiry, claim as many lines as
+        there are free slots, or wait. False once the batch is not in progress here."""
+        if look:
+            now = await self._call(self.store.get_batch, batch_id)
+            if now is None or now["status"] != BatchStatus.IN_PROGRESS:
+                return False
+        if expires_at is not None and time.time() >= expires_at:
+            await self._call(self._close, batch_id, expired=True)
+            return False
+        free = self._capacity - self._busy
+        claimed = []
+        if free > 0:
+            claimed = await self._call(self.store.claim_lines, batch_id, self.replica, free)
+        for custom_id in claimed:
+            self._launch(batch_id, by_id[custom_id], inflight)
+        if claimed:
+            return True
+        if free > 0 and not inflight:
+            if not await self._call(self.store.lines_left, batch_id):
+                await self._call(self._close, batch_id, expired=False)
+                return False  # closed here or by another replica: the caller reads which
+            await asyncio.sleep(self.watch_s)  # the rest are other replicas' now
+        elif inflight:
+            await asyncio.wait(inflight, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+        else:  # other batches hold every slot
+            await asyncio.sleep(self.poll_s)
+        return True
 
     def _launch(self, batch_id: str, ln: BatchLine, inflight: set[asyncio.Task[None]]) -> None:
         self._busy += 1
@@ -324,24 +335,14 @@ class BatchRunner:
             if r.status == 503:  # shutting down: leave it for another replica or the resume
                 return
             break
-        rid = r.body.get("id") if r.status == 200 else None
-        line = {
-            "id": new_id("batch_req_"),
-            "custom_id": ln.custom_id,
-            "response": {
-                "status_code": r.status,
-                "request_id": rid or new_id("req_"),
-                "body": r.body,
-            },
-            "error": None,
-        }
+        line = result_line(ln.custom_id, r.status, r.body)
         ok = r.status == 200
         args = (batch_id, ln.custom_id, ln.line, ok, line, r.prompt_tokens, r.completion_tokens)
         while True:  # a computed answer is worth waiting for the store to come back
             try:
                 written = await self._call(self.store.add_result, *args)
                 break
-            except Exception:
+            except StoreError:
                 log.warning("could not store a result of batch %s; retrying", batch_id)
                 await asyncio.sleep(1.0)
         if written:
@@ -355,36 +356,10 @@ class BatchRunner:
             status = BatchStatus.CANCELLED
         else:
             status = BatchStatus.EXPIRED if obj.get("expired_at") else BatchStatus.COMPLETED
-        out: list[str] = []
-        err: list[str] = []
-        for ok, body in self.store.results(batch_id):
-            (out if ok else err).append(body)
-        if status in _NOT_RUN:
-            code, message = _NOT_RUN[status]
-            done = self.store.done_custom_ids(batch_id)
-            for ln in lines:
-                if ln.custom_id not in done:
-                    err.append(
-                        json.dumps(
-                            {
-                                "id": new_id("batch_req_"),
-                                "custom_id": ln.custom_id,
-                                "response": None,
-                                "error": {"code": code, "message": message},
-                            }
-                        )
-                    )
-        files: list[OutputFile] = []
-        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
-        for key, rows, suffix in (
-            ("output_file_id", out, "output"),
-            ("error_file_id", err, "errors"),
-        ):
-            if rows:
-                fid = f"file-{batch_id.removeprefix('batch_')}{suffix[0]}"
-                content = ("\n".join(rows) + "\n").encode()
-                files.append(OutputFile(fid, f"{batch_id}_{suffix}.jsonl", content))
-                fields[key] = fid
+        done = self.store.done_custom_ids(batch_id)
+        not_run = (ln.custom_id for ln in lines if ln.custom_id not in done)
+        files, named = output_files(batch_id, status, self.store.results(batch_id), not_run)
+        fields: dict[str, Any] = dict(named)
         completed, failed, pt, ct = self.store.result_counts(batch_id)
         fields["request_counts"] = {"total": len(lines), "completed": completed, "failed": failed}
         fields["usage"] = batch_usage(pt, ct)

@@ -18,7 +18,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +40,13 @@ def pg_bindir() -> Path | None:
 
 @dataclass
 class LocalPostgres:
-    port: int
-    proc: subprocess.Popen[bytes]
+    """A cluster in `root` (initdb'd); `start`/`stop` keep its data, as a restart would."""
+
+    root: Path
+    bindir: Path
+    as_user: dict[str, Any]
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
 
     def url(self, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port}/{database}"
@@ -53,9 +58,45 @@ class LocalPostgres:
             conn.execute(f"CREATE DATABASE {name}")
         return self.url(name)
 
+    def start(self, timeout_s: float = 60) -> None:
+        settings = ["fsync=off", "synchronous_commit=off", "full_page_writes=off"]
+        args: list[Any] = [self.bindir / "postgres", "-D", self.root / "data", "-p", self.port]
+        args += ["-h", "127.0.0.1", "-k", self.root]
+        for setting in settings:
+            args += ["-c", setting]
+        log = self.root / "postgres.log"
+        with log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [str(a) for a in args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                **self.as_user,
+            )
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                psycopg.connect(self.url(), connect_timeout=2).close()
+                return
+            except psycopg.OperationalError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"postgres did not start: {log.read_text()}") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        """A fast shutdown: clients are disconnected, the data stays."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
 
 @contextmanager
-def local_postgres(timeout_s: float = 60) -> Iterator[LocalPostgres]:
+def local_postgres() -> Iterator[LocalPostgres]:
     bindir = pg_bindir()
     if bindir is None:
         raise FileNotFoundError("PostgreSQL is not installed (apt-get install postgresql)")
@@ -64,40 +105,18 @@ def local_postgres(timeout_s: float = 60) -> Iterator[LocalPostgres]:
     if os.geteuid() == 0:
         shutil.chown(root, "postgres", "postgres")
         as_user = {"user": "postgres", "group": "postgres", "extra_groups": []}
-    data, log = root / "data", root / "postgres.log"
-    subprocess.run(
-        [bindir / "initdb", "-D", data, "-U", "postgres", "--auth=trust", "-E", "UTF8", "-N"],
-        check=True,
-        capture_output=True,
-        cwd=root,
-        **as_user,
-    )
-    port = free_port()
-    settings = ["fsync=off", "synchronous_commit=off", "full_page_writes=off"]
-    args: list[Any] = [bindir / "postgres", "-D", data, "-p", port, "-h", "127.0.0.1", "-k", root]
-    for s in settings:
-        args += ["-c", s]
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(a) for a in args], stdout=out, stderr=subprocess.STDOUT, cwd=root, **as_user
-        )
-    server = LocalPostgres(port, proc)
+    server = LocalPostgres(root, bindir, as_user)
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                psycopg.connect(server.url(), connect_timeout=2).close()
-                break
-            except psycopg.OperationalError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"postgres did not start: {log.read_text()}") from None
-                time.sleep(0.1)
+        initdb = [bindir / "initdb", "-D", root / "data", "-U", "postgres", "--auth=trust"]
+        subprocess.run(
+            [*initdb, "-E", "UTF8", "-N"],
+            check=True,
+            capture_output=True,
+            cwd=root,
+            **as_user,
+        )
+        server.start()
         yield server
     finally:
-        proc.send_signal(signal.SIGINT)  # a fast shutdown: clients are disconnected
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        server.stop()
         shutil.rmtree(root, ignore_errors=True)

@@ -163,3 +163,21 @@ def test_ids_that_cannot_exist_are_404s(
     )
     assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_custom_id"
     assert upload(c, jsonl([chat_line("fine", model, "hi")]))  # the store is fine after all
+
+
+def test_a_store_outage_is_a_503_and_the_batch_ends_once_it_is_back(
+    spawn_server: Callable[..., SpawnedServer], tmp_path: Path, postgres: object
+) -> None:
+    from pg_harness import local_postgres  # a PostgreSQL of its own, to stop and start
+
+    with local_postgres() as pg:
+        (srv,) = replicas(spawn_server, tmp_path, pg.new_database(), 1)
+        batch_id = start(srv, n=16)
+        wait_for(lambda: written_by(srv) >= 2)
+        pg.stop()
+        r = httpx.get(f"{srv.url}/v1/batches/{batch_id}", timeout=60)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+        assert r.headers["retry-after"]
+        time.sleep(LEASE_S)  # longer than the lease: the server's claims lapse meanwhile
+        pg.start()
+        check_exactly_once(srv, batch_id, n=16)  # answers computed meanwhile were kept

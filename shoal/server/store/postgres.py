@@ -155,6 +155,9 @@ class PostgresStore(Store):
             max_size=max_connections,
             kwargs=kwargs,
             timeout=connect_timeout_s,  # how long a call waits for a connection
+            # A connection the database dropped (a restart, a failover) is replaced before
+            # use rather than failing a call: one extra round trip per call.
+            check=ConnectionPool.check_connection,
             open=False,
         )
         self.pool.open(wait=True, timeout=connect_timeout_s)

@@ -116,7 +116,10 @@ class SQLiteStore(Store):
     @contextmanager
     def _tx(self, write: bool = True) -> Iterator[Tx]:
         with self._lock:
-            self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            try:
+                self._db.execute("BEGIN IMMEDIATE" if write else "BEGIN")
+            except sqlite3.OperationalError as e:  # locked past the busy timeout, disk gone
+                raise StoreError(f"the store {self.url} failed: {e}") from e
             try:
                 yield Tx(self._db)
             except BaseException:
