@@ -1,9 +1,9 @@
 """The Files + Batch API state, written once in SQL that SQLite and PostgreSQL both run.
 
-`Store` holds files (metadata here, bytes in `blobs`), batches (the API object as JSON text,
-its status in a column of its own), a batch's lines (which replica runs each) and their
-results. Subclasses give the connection and transactions, the schema, the few SQL fragments
-that differ (the clock, a JSON field, row locks) and where file bytes live.
+`Store` holds files (metadata here, bytes in `blobs`) and batches (the API object as JSON
+text, its status in a column of its own); a batch's lines, their claims and results come from
+`claims.LineTables`. Subclasses give the connection and transactions, the schema, the few SQL
+fragments that differ (the clock, a JSON field, row locks) and where file bytes live.
 
 Several servers may share one store; these rules make that safe:
 - every status change is a compare-and-set on the batch row (`update_batch(expect=...)`);
@@ -21,15 +21,16 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from abc import ABC, abstractmethod
+from abc import abstractmethod
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from shoal.errors import ShoalError
 from shoal.server.ids import new_id, storable
-from shoal.server.store.status import CLOSING, BatchStatus
+from shoal.server.store.claims import LineTables
+from shoal.server.store.sql import Tx, marks
+from shoal.server.store.status import CLOSING
 
 
 class StoreError(ShoalError):
@@ -57,23 +58,6 @@ class OutputFile:
     content: bytes
 
 
-class Tx:
-    """One transaction on a DB-API connection; SQL is written with `?` placeholders."""
-
-    def __init__(self, conn: Any, placeholder: str = "?") -> None:
-        self._conn = conn
-        self._ph = placeholder
-
-    def _sql(self, sql: str) -> str:
-        return sql if self._ph == "?" else sql.replace("?", self._ph)
-
-    def q(self, sql: str, args: Sequence[Any] = ()) -> Any:
-        return self._conn.execute(self._sql(sql), tuple(args))
-
-    def many(self, sql: str, rows: Iterable[Sequence[Any]]) -> None:
-        self._conn.cursor().executemany(self._sql(sql), [tuple(r) for r in rows])
-
-
 _FILE_COLS = "id, bytes, created_at, filename, purpose, expires_at"
 
 
@@ -91,22 +75,10 @@ def _file_obj(row: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-def _marks(values: Sequence[Any]) -> str:
-    return ",".join("?" * len(values))
-
-
-class Store(ABC):
+class Store(LineTables):
     name: str  # "sqlite" or "postgresql"
     url: str  # where it is, safe to log (no password)
     blobs: Blobs
-    NOW: str  # SQL: seconds since the epoch on the database's clock
-    FOR_UPDATE = ""  # row locks; SQLite needs none (one writer at a time)
-    FOR_SHARE = ""
-    CLAIM_LOCK = ""
-
-    @abstractmethod
-    def _tx(self, write: bool = True) -> AbstractContextManager[Tx]:
-        """A transaction, committed when the block ends, rolled back if it raises."""
 
     @abstractmethod
     def _json(self, field: str) -> str:
@@ -115,27 +87,17 @@ class Store(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
-    def _rows(self, sql: str, args: Sequence[Any] = ()) -> list[Any]:
-        with self._tx(write=False) as tx:
-            return list(tx.q(sql, args).fetchall())
-
     # -- files -----------------------------------------------------------------------------
     def create_file(
-        self,
-        filename: str,
-        purpose: str,
-        content: bytes | Iterable[bytes],
-        *,
-        file_id: str | None = None,
-        expires_at: int | None = None,
+        self, filename: str, purpose: str, content: bytes | Iterable[bytes]
     ) -> dict[str, Any]:
         """Store `content` (bytes, or chunks streamed through) whole, then record it."""
-        file_id = file_id or new_id("file-")
+        file_id = new_id("file-")
         blob = f"{file_id}.{secrets.token_hex(4)}.jsonl"
         size = self.blobs.put(blob, content)
         try:
             with self._tx() as tx:
-                self._insert_file(tx, file_id, size, filename, purpose, expires_at, blob)
+                self._insert_file(tx, file_id, size, filename, purpose, blob)
         except BaseException:
             self.blobs.delete(blob)
             raise
@@ -144,18 +106,11 @@ class Store(ABC):
         return obj
 
     def _insert_file(
-        self,
-        tx: Tx,
-        file_id: str,
-        size: int,
-        filename: str,
-        purpose: str,
-        expires_at: int | None,
-        blob: str,
+        self, tx: Tx, file_id: str, size: int, filename: str, purpose: str, blob: str
     ) -> None:
         tx.q(
-            f"INSERT INTO files ({_FILE_COLS}, blob) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (file_id, size, int(time.time()), filename, purpose, expires_at, blob),
+            f"INSERT INTO files ({_FILE_COLS}, blob) VALUES (?, ?, ?, ?, ?, NULL, ?)",
+            (file_id, size, int(time.time()), filename, purpose, blob),
         )
 
     def get_file(self, file_id: str) -> dict[str, Any] | None:
@@ -275,7 +230,7 @@ class Store(ABC):
             return [], False
         where, args = ["1=1"], list[Any]()
         if endpoints:
-            where.append(f"{self._json('endpoint')} IN ({_marks(endpoints)})")
+            where.append(f"{self._json('endpoint')} IN ({marks(endpoints)})")
             args += endpoints
         if after:
             where.append("seq < (SELECT seq FROM batches WHERE id = ?)")
@@ -298,154 +253,22 @@ class Store(ABC):
     def batch_ids(self, statuses: Iterable[str]) -> list[str]:
         """Batches in one of `statuses`, oldest first."""
         wanted = tuple(map(str, statuses))
-        sql = f"SELECT id FROM batches WHERE status IN ({_marks(wanted)}) ORDER BY seq"
+        sql = f"SELECT id FROM batches WHERE status IN ({marks(wanted)}) ORDER BY seq"
         return [r[0] for r in self._rows(sql, wanted)]
 
     def batches_using_file(self, file_id: str, statuses: Iterable[str]) -> list[str]:
         wanted = tuple(map(str, statuses))
         sql = (
-            f"SELECT id FROM batches WHERE status IN ({_marks(wanted)}) "
+            f"SELECT id FROM batches WHERE status IN ({marks(wanted)}) "
             f"AND {self._json('input_file_id')} = ?"
         )
         return [r[0] for r in self._rows(sql, (*wanted, file_id))]
-
-    # -- replicas and their claims on lines --------------------------------------------------
-    def heartbeat(self, replica: str, lease_s: float) -> None:
-        """`replica` is alive for `lease_s` more seconds: its claims hold until then."""
-        with self._tx() as tx:
-            tx.q(
-                f"INSERT INTO replicas (id, expires_at) VALUES (?, {self.NOW} + ?) "
-                "ON CONFLICT (id) DO UPDATE SET expires_at = excluded.expires_at",
-                (replica, float(lease_s)),
-            )
-
-    def release_lines(self, replica: str, batch_id: str | None = None) -> None:
-        """Hand back `replica`'s unfinished lines (of one batch, or all of them)."""
-        sql, args = "UPDATE lines SET owner = NULL WHERE owner = ? AND done = 0", [replica]
-        if batch_id is not None:
-            sql += " AND batch_id = ?"
-            args.append(batch_id)
-        with self._tx() as tx:
-            tx.q(sql, args)
-
-    def leave(self, replica: str) -> None:
-        """A clean exit: others may take its lines and finalizations at once."""
-        self.release_lines(replica)
-        with self._tx() as tx:
-            tx.q("DELETE FROM replicas WHERE id = ?", (replica,))
-
-    def add_lines(self, batch_id: str, keys: Sequence[tuple[str, int]]) -> None:
-        """Record a running batch's lines `(custom_id, line number)` once (every replica
-        calls this; lines that already have a result are marked done)."""
-        with self._tx() as tx:
-            have = tx.q("SELECT COUNT(*) FROM lines WHERE batch_id = ?", (batch_id,)).fetchone()
-            if int(have[0]) >= len(keys):
-                return
-            self._insert_lines(tx, batch_id, keys)
-            tx.q(
-                "UPDATE lines SET done = 1 WHERE batch_id = ? AND done = 0 AND custom_id IN "
-                "(SELECT custom_id FROM results WHERE batch_id = ?)",
-                (batch_id, batch_id),
-            )
-
-    def _insert_lines(self, tx: Tx, batch_id: str, keys: Sequence[tuple[str, int]]) -> None:
-        tx.many(
-            "INSERT INTO lines (batch_id, custom_id, line) VALUES (?, ?, ?) "
-            "ON CONFLICT DO NOTHING",
-            [(batch_id, cid, no) for cid, no in keys],
-        )
-
-    def claim_lines(self, batch_id: str, replica: str, limit: int) -> list[str]:
-        """Up to `limit` unfinished lines nobody alive holds, now `replica`'s, in file order.
-
-        The update re-checks each row against the rule: under concurrent claims PostgreSQL's
-        search may return a row that another claimer took since it looked, and only the
-        update sees the row's latest owner (the rule reads `replicas` in a subquery, not a
-        join, for that re-check to hold)."""
-        free = (
-            "done = 0 AND (owner IS NULL OR (owner <> ? AND owner NOT IN "
-            f"(SELECT id FROM replicas WHERE expires_at >= {self.NOW})))"
-        )
-        with self._tx() as tx:
-            rows = tx.q(
-                f"SELECT custom_id FROM lines WHERE batch_id = ? AND {free} "
-                f"ORDER BY line LIMIT ?{self.CLAIM_LOCK}",
-                (batch_id, replica, limit),
-            ).fetchall()
-            ids = [r[0] for r in rows]
-            if not ids:
-                return []
-            won = tx.q(
-                f"UPDATE lines SET owner = ? WHERE batch_id = ? AND {free} "
-                f"AND custom_id IN ({_marks(ids)}) RETURNING custom_id",
-                (replica, batch_id, replica, *ids),
-            ).fetchall()
-        taken = {r[0] for r in won}
-        return [i for i in ids if i in taken]
-
-    def lines_left(self, batch_id: str) -> int:
-        sql = "SELECT COUNT(*) FROM lines WHERE batch_id = ? AND done = 0"
-        return int(self._rows(sql, (batch_id,))[0][0])
-
-    def _left(self, tx: Tx, batch_id: str) -> bool:
-        sql = "SELECT 1 FROM lines WHERE batch_id = ? AND done = 0 LIMIT 1"
-        return tx.q(sql, (batch_id,)).fetchone() is not None
-
-    # -- results and finalization ------------------------------------------------------------
-    def add_result(
-        self,
-        batch_id: str,
-        custom_id: str,
-        line: int,
-        ok: bool,
-        body: dict[str, Any],
-        prompt_tokens: int = 0,
-        completion_tokens: int = 0,
-    ) -> bool:
-        """Record one finished request; False if it was already recorded or its batch is no
-        longer in progress (cancelled, expired, finalizing: the result is not wanted)."""
-        with self._tx() as tx:
-            row = tx.q(
-                f"SELECT status FROM batches WHERE id = ?{self.FOR_SHARE}", (batch_id,)
-            ).fetchone()
-            if row is None or row[0] != BatchStatus.IN_PROGRESS:
-                return False
-            cur = tx.q(
-                "INSERT INTO results (batch_id, custom_id, line, ok, body, prompt_tokens, "
-                "completion_tokens) VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT DO NOTHING",
-                (batch_id, custom_id, line, int(ok), json.dumps(body), prompt_tokens,
-                 completion_tokens),
-            )  # fmt: skip
-            tx.q(
-                "UPDATE lines SET done = 1, owner = NULL WHERE batch_id = ? AND custom_id = ?",
-                (batch_id, custom_id),
-            )
-            return bool(cur.rowcount > 0)
-
-    def done_custom_ids(self, batch_id: str) -> set[str]:
-        sql = "SELECT custom_id FROM results WHERE batch_id = ?"
-        return {r[0] for r in self._rows(sql, (batch_id,))}
-
-    def result_counts(self, batch_id: str) -> tuple[int, int, int, int]:
-        """(completed, failed, prompt_tokens, completion_tokens)."""
-        row = self._rows(
-            "SELECT COALESCE(SUM(ok), 0), COALESCE(SUM(1 - ok), 0), "
-            "COALESCE(SUM(prompt_tokens), 0), COALESCE(SUM(completion_tokens), 0) "
-            "FROM results WHERE batch_id = ?",
-            (batch_id,),
-        )[0]
-        return int(row[0]), int(row[1]), int(row[2]), int(row[3])
-
-    def results(self, batch_id: str) -> Iterator[tuple[bool, str]]:
-        sql = "SELECT ok, body FROM results WHERE batch_id = ? ORDER BY line"
-        for r in self._rows(sql, (batch_id,)):
-            yield bool(r[0]), r[1]
 
     def claim_finalizer(self, batch_id: str, replica: str) -> bool:
         """Make `replica` the finalizer of a closing batch, unless another live one is."""
         with self._tx() as tx:
             cur = tx.q(
-                f"UPDATE batches SET worker = ? WHERE id = ? AND status IN ({_marks(CLOSING)}) "
+                f"UPDATE batches SET worker = ? WHERE id = ? AND status IN ({marks(CLOSING)}) "
                 "AND (worker IS NULL OR worker = ? OR worker NOT IN "
                 f"(SELECT id FROM replicas WHERE expires_at >= {self.NOW}))",
                 (replica, batch_id, *map(str, CLOSING), replica),
@@ -465,8 +288,7 @@ class Store(ABC):
                 obj = self._update(tx, batch_id, fields, expect=CLOSING, held_by=worker)
                 if obj is not None:
                     for f, blob, size in zip(files, blobs, sizes, strict=True):
-                        name, purpose = f.filename, "batch_output"
-                        self._insert_file(tx, f.file_id, size, name, purpose, None, blob)
+                        self._insert_file(tx, f.file_id, size, f.filename, "batch_output", blob)
         finally:
             if obj is None:
                 for blob in blobs:

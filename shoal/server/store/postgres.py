@@ -15,7 +15,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from shoal.server.store.base import Store, StoreError, Tx
+from shoal.server.store.base import Store, StoreError
+from shoal.server.store.sql import Tx
 from shoal.urls import redact
 
 CHUNK = 1 << 20

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from shoal.durable import atomic_write
 from shoal.server.jsonl import read_chunks
-from shoal.server.store.base import Store, StoreError, Tx
+from shoal.server.store.base import Store, StoreError
+from shoal.server.store.sql import Tx
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS files (
