@@ -299,7 +299,7 @@ def test_interactive_overtakes_batch(start_on_store: Callable[..., LiveServer]) 
     live = start_on_store(batch_concurrency=4, engine={"max_num_seqs": 1})
     c = live.client()
     lines = [
-        chat_line(f"r{i}", live.model, "count", max_tokens=80, ignore_eos=True) for i in range(8)
+        chat_line(f"r{i}", live.model, "count", max_tokens=160, ignore_eos=True) for i in range(8)
     ]
     batch = submit_batch(c, lines)
     wait_batch(c, batch.id, until=("in_progress",))
@@ -307,9 +307,13 @@ def test_interactive_overtakes_batch(start_on_store: Callable[..., LiveServer]) 
     while live.state.engine.stats().num_waiting < 3:  # one running, three queued
         assert time.monotonic() < deadline
         time.sleep(0.005)
+    before = live.state.store.result_counts(batch.id)[0]
     c.chat.completions.create(
         model=live.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
     )
     counts = c.batches.retrieve(batch.id).request_counts
-    assert counts is not None and counts.completed <= 2, counts
+    # Queued behind, it would wait for the running line and the three queued ones (4 more
+    # results); ahead of them, only the running one finishes first, and at most one more
+    # while the answer travels back to the client.
+    assert counts is not None and counts.completed - before <= 2, (before, counts)
     assert wait_batch(c, batch.id).status == "completed"
