@@ -161,7 +161,11 @@ class PostgresStore(Store):
             check=ConnectionPool.check_connection,
             open=False,
         )
-        self.pool.open(wait=True, timeout=connect_timeout_s)
+        try:
+            self.pool.open(wait=True, timeout=connect_timeout_s)
+        except psycopg.Error as e:  # it answered a moment ago: gone again
+            self.pool.close()
+            raise StoreError(f"cannot open the store {self.url}: {e}") from e
         self.blobs = TableBlobs(self.pool)
 
     def close(self) -> None:
