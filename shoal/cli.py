@@ -114,6 +114,9 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         except (OSError, ShoalError) as e:
             print(f"shoal serve: --quota: {e}", file=sys.stderr)
             return None
+    if args.batch_lease_s <= 0:
+        print("shoal serve: --batch-lease-s must be positive", file=sys.stderr)
+        return None
     return ServerConfig(
         engine=engine_config(
             args, max_waiting=args.max_waiting, session_tier_dir=args.session_tier
@@ -122,6 +125,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         api_key=args.api_key,
         batch_concurrency=args.batch_concurrency,
         quota_config=Path(args.quota) if args.quota else None,
+        store=args.store,
+        batch_lease_s=args.batch_lease_s,
     )
 
 
@@ -153,6 +158,18 @@ def _server_arguments(serve: argparse.ArgumentParser) -> None:
     )
     serve.add_argument(
         "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
+    )
+    serve.add_argument(
+        "--store",
+        default=None,
+        help="files and batches: a path, sqlite:///path.db or postgresql://user@host/db, "
+        "shared by every server given the same one (default: SQLite in --data-dir)",
+    )
+    serve.add_argument(
+        "--batch-lease-s",
+        type=float,
+        default=10.0,
+        help="a dead server's batch lines go to the others after this many seconds",
     )
     serve.add_argument(
         "--session-tier",

@@ -4,8 +4,9 @@
 order, unless the batch itself is malformed (not JSON, unknown top-level field, 0 or more than
 `max_batch` items): then 400 with an OpenAI-style error and nothing changed. `POST
 /v1/reserve` and `/v1/complete` take one item and answer its result. `GET`/`PUT /v1/limits`,
-`GET /v1/usage` and `GET /health` complete the set. Handlers are plain functions: FastAPI
-runs them in its thread pool, where a blocking SQLite or Redis call cannot stall the loop.
+`GET /v1/usage` and `GET /health` complete the set; the standalone app adds `GET /metrics`.
+Handlers are plain functions: FastAPI runs them in its thread pool, where a blocking SQLite or
+Redis call cannot stall the loop.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Body, FastAPI
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict
 
+from shoal.quota.metrics import QuotaMetrics
 from shoal.quota.service import QuotaService
 from shoal.quota.wire import complete_from_wire, reserve_from_wire, to_wire
 from shoal.server.errors import install_handlers
@@ -85,7 +88,9 @@ def create_router(service: QuotaService, *, health: bool = True) -> APIRouter:
 def create_app(
     service: QuotaService, *, api_key: str | None = None, max_body_bytes: int = 8 * MiB
 ) -> FastAPI:
-    """A standalone quota server; it closes the service when it stops."""
+    """A standalone quota server with its Prometheus `/metrics`; it closes the service when
+    it stops."""
+    metrics = service.metrics = service.metrics or QuotaMetrics(service)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -97,6 +102,10 @@ def create_app(
     app = FastAPI(title="shoal quota", version="0.1.0", lifespan=lifespan)
     install_handlers(app)
     app.include_router(create_router(service))
+
+    @app.get("/metrics")
+    def scrape() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
     app.add_middleware(
         Guard,
         api_key=api_key,

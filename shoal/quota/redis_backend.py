@@ -23,6 +23,7 @@ from shoal.quota.types import (
     Usage,
     fingerprint,
 )
+from shoal.urls import redact
 
 _SCRIPT = resources.files("shoal.quota").joinpath("quota.lua").read_text()
 
@@ -47,8 +48,16 @@ class RedisBackend:
         self._script = client.register_script(_SCRIPT)
 
     @classmethod
-    def from_url(cls, url: str, **kw: Any) -> RedisBackend:
-        return cls(redis.Redis.from_url(url), **kw)
+    def from_url(cls, url: str, *, connect_timeout_s: float = 5.0, **kw: Any) -> RedisBackend:
+        """A backend on the server at `url`, which must answer now (`QuotaBackendError`
+        otherwise: a wrong URL shows at start-up, not at the first reserve)."""
+        client = redis.Redis.from_url(url, socket_connect_timeout=connect_timeout_s)
+        try:
+            client.ping()
+        except redis.RedisError as e:
+            client.close()
+            raise QuotaBackendError(f"cannot reach the quota backend {redact(url)}: {e}") from e
+        return cls(client, **kw)
 
     def _run(self, op: str, *args: str | int) -> Any:
         try:

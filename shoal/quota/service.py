@@ -12,7 +12,7 @@ import logging
 import re
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shoal.quota.backend import QuotaBackend, open_backend
 from shoal.quota.clock import Clock
@@ -28,6 +28,9 @@ from shoal.quota.types import (
     ReserveResult,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from shoal.quota.metrics import QuotaMetrics
 
 log = logging.getLogger("shoal.quota")
 
@@ -103,6 +106,7 @@ class QuotaService:
     def __init__(self, backend: QuotaBackend, *, max_batch: int = 256) -> None:
         self.backend = backend
         self.max_batch = max_batch
+        self.metrics: QuotaMetrics | None = None  # counts every decision when set
 
     @classmethod
     def open(
@@ -146,14 +150,20 @@ class QuotaService:
         return [next(answers) if c is not None else invalid for c in checked]
 
     def batch_reserve(self, items: Sequence[ReserveRequest | Malformed]) -> list[ReserveResult]:
-        return self._batch(
+        results = self._batch(
             items, check_reserve, self.backend.reserve_many, lambda e: ReserveResult(False, error=e)
         )
+        if self.metrics is not None:
+            self.metrics.observe_reserves(results)
+        return results
 
     def batch_complete(self, items: Sequence[CompleteRequest | Malformed]) -> list[CompleteResult]:
-        return self._batch(
+        results = self._batch(
             items, check_complete, self.backend.complete_many, lambda e: CompleteResult(False, e)
         )
+        if self.metrics is not None:
+            self.metrics.observe_completes(results)
+        return results
 
     def reserve(self, item: ReserveRequest | Malformed) -> ReserveResult:
         return self.batch_reserve([item])[0]

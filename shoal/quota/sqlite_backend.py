@@ -101,12 +101,15 @@ class SQLiteBackend:
         self.policy = policy or LeasePolicy()
         self._clock = clock or SystemClock()
         self._lock = threading.Lock()  # one connection, shared by the server's worker threads
-        self._db = sqlite3.connect(
-            str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
-        )
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across process crashes
-        self._db.executescript(_SCHEMA)
+        try:
+            self._db = sqlite3.connect(
+                str(path), timeout=busy_timeout_s, isolation_level=None, check_same_thread=False
+            )
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute("PRAGMA synchronous=NORMAL")  # WAL: durable across process crashes
+            self._db.executescript(_SCHEMA)
+        except sqlite3.Error as e:
+            raise QuotaBackendError(f"cannot open the quota backend sqlite:///{path}: {e}") from e
 
     # -- transactions -------------------------------------------------------------------
 

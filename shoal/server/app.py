@@ -1,7 +1,8 @@
 """`create_app` builds the FastAPI app; `run_server` runs it under uvicorn with graceful shutdown.
 
-Lifespan: lock the data dir, load the engine (sessions persist under `<data dir>/sessions`),
-open the store, resume unfinished batches. While running, idle moments save session KV, so
+Lifespan: lock the data dir, open the store (`--store`: SQLite in the data dir, or a shared
+PostgreSQL), load the engine (sessions persist under `<data dir>/sessions`), run the store's
+unfinished batches with the other replicas. While running, idle moments save session KV, so
 a kill -9 loses at most the turns since the engine was last idle. On shutdown: refuse new
 requests (503), let in-flight HTTP requests finish (uvicorn waits for them), give batch
 requests a grace period and leave the rest for the resume, drain the engine, save sessions,
@@ -23,7 +24,9 @@ from fastapi import FastAPI
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol, create_engine
+from shoal.quota.errors import QuotaError
 from shoal.quota.http import create_router
+from shoal.quota.metrics import QuotaMetrics
 from shoal.server import batches, files, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
@@ -33,9 +36,10 @@ from shoal.server.errors import install_handlers
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
 from shoal.server.quota import QuotaGate
+from shoal.server.replica import replica_id
 from shoal.server.serving import Serving
 from shoal.server.state import ServerConfig, ServerState
-from shoal.server.store import Store
+from shoal.server.store import Store, StoreError, open_store
 
 log = logging.getLogger("shoal.server")
 
@@ -54,27 +58,34 @@ async def _save_sessions_when_idle(aeng: AsyncEngine, every_s: float) -> None:
             await aeng.save_sessions()
 
 
-def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> FastAPI:
-    """The app; the engine loads at startup unless one is given. With a quota config, its
-    routes are served too and requests are admitted through it (`server/quota.py`)."""
+def create_app(
+    config: ServerConfig, engine: EngineProtocol | None = None, store: Store | None = None
+) -> FastAPI:
+    """The app; the engine loads and the store opens at startup unless given. With a quota
+    config, its routes are served too and requests are admitted through it
+    (`server/quota.py`)."""
     gate = QuotaGate.open(config.quota_config, config.data_dir) if config.quota_config else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         lock = DataDirLock(config.data_dir)
         lock.acquire()
+        db = store or open_store(config.store_url)
         eng = engine or build_engine(config)
         aeng = AsyncEngine(eng)
         serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()))
-        store = Store(config.data_dir)
+        if gate is not None:  # the quota's counters and usage join the server's /metrics
+            gate.service.metrics = QuotaMetrics(gate.service, serving.metrics.registry)
         runner = BatchRunner(
-            store,
+            db,
             serving,
             concurrency=config.batch_concurrency or 2 * eng.config.max_num_seqs,
             max_lines=config.max_batch_lines,
             priority=config.batch_priority,
+            replica=replica_id(config.data_dir),
+            lease_s=config.batch_lease_s,
         )
-        state = ServerState(config, serving, store, runner, gate)
+        state = ServerState(config, serving, db, runner, gate)
         app.state.shoal = state
         runner.start()
         saver = asyncio.create_task(_save_sessions_when_idle(aeng, config.session_save_s))
@@ -89,7 +100,7 @@ def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> Fa
             await runner.stop(config.batch_grace_s)
             await aeng.shutdown(config.drain_timeout_s)
             eng.save_sessions()
-            store.close()
+            db.close()
             if gate is not None:
                 await gate.aclose()
             lock.release()
@@ -119,8 +130,9 @@ def create_app(config: ServerConfig, engine: EngineProtocol | None = None) -> Fa
 
 
 def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully; exit 1 at once if the data dir
-    belongs to another live server."""
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; exit at once, before the model
+    loads, if the data dir belongs to another live server (1) or the store or quota backend
+    cannot be opened (2)."""
     import uvicorn
 
     probe = DataDirLock(config.data_dir)
@@ -130,7 +142,11 @@ def run_server(config: ServerConfig, host: str, port: int, log_level: str = "inf
         print(f"shoal serve: {e}", file=sys.stderr)
         raise SystemExit(1) from None
     probe.release()
-    app = create_app(config)
+    try:
+        app = create_app(config, store=open_store(config.store_url))
+    except (StoreError, QuotaError) as e:
+        print(f"shoal serve: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -1,58 +1,52 @@
-"""Runs batches in the background: validate, execute each line at batch priority, finalize.
+"""Runs batches in the background, together with every server that shares the store.
 
-The batch lifecycle lives here: `BatchStatus` and its transitions, and `execute_line`, which
-answers one line through the same `prepare_*` and `respond` as the HTTP routes (so a batch
-line and an interactive request with the same body are validated and answered the same way;
-only the priority differs). One task per active batch; a shared semaphore bounds how many
-batch requests are in the engine at once. Each finished request is written to the store
-before anything else happens, so a restart resumes with only the missing `custom_id`s
-(nothing lost, nothing twice). Cancelling or expiring aborts what is in flight; shutdown
-stops launching, lets in-flight requests finish for a grace period, then aborts the rest
-(they rerun on resume).
+`execute_line` answers one line through the same `prepare_*` and `respond` as the HTTP
+routes (so a batch line and an interactive request with the same body are validated and
+answered the same way; only the priority differs). The runner keeps one task per active batch
+on this server, and a watcher picks up batches that other servers created. Each replica
+claims lines as it has room (`concurrency` batch requests in its engine at once), so a batch
+fans out over every replica; each finished request is written to the store before anything
+else happens, keyed by `(batch_id, custom_id)`, so nothing is lost and nothing is written
+twice. A replica that dies stops its heartbeat; its claims lapse after `lease_s` and the
+others re-take its lines. Every status change is a compare-and-set in the store, and one
+replica at a time finalizes, so validation, cancellation, expiry and the output files happen
+once, whichever replica gets there. Cancelling or expiring aborts what is in flight; shutdown
+stops launching, lets in-flight requests finish for a grace period, aborts the rest and hands
+their lines back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from shoal.server.anthropic import messages as anthropic_messages
+from shoal.server.batch_output import output_files, result_line
 from shoal.server.errors import error_body, to_api_error
 from shoal.server.formatting import batch_usage
-from shoal.server.ids import new_id
-from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file, read_chunks
+from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
+from shoal.server.replica import Heartbeat
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
-from shoal.server.store import Store
+from shoal.server.store import (
+    ACTIVE,
+    CLOSING,
+    TERMINAL,
+    BatchStatus,
+    Store,
+    StoreError,
+)
+
+__all__ = ["ACTIVE", "TERMINAL", "BatchRunner", "BatchStatus", "LineResult", "execute_line"]
 
 log = logging.getLogger("shoal.server.batch")
-
-
-class BatchStatus(enum.StrEnum):
-    VALIDATING = "validating"
-    FAILED = "failed"
-    IN_PROGRESS = "in_progress"
-    FINALIZING = "finalizing"
-    COMPLETED = "completed"
-    EXPIRED = "expired"
-    CANCELLING = "cancelling"
-    CANCELLED = "cancelled"
-
-
-ACTIVE = (
-    BatchStatus.VALIDATING,
-    BatchStatus.IN_PROGRESS,
-    BatchStatus.FINALIZING,
-    BatchStatus.CANCELLING,
-)
-TERMINAL = (BatchStatus.COMPLETED, BatchStatus.FAILED, BatchStatus.CANCELLED, BatchStatus.EXPIRED)
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -89,18 +83,6 @@ async def execute_line(
     return LineResult(200, result, usage["prompt_tokens"], usage["completion_tokens"])
 
 
-_NOT_RUN = {
-    BatchStatus.EXPIRED: (
-        "batch_expired",
-        "This request could not be executed before the completion window expired.",
-    ),
-    BatchStatus.CANCELLED: (
-        "batch_cancelled",
-        "This request was not executed because the batch was cancelled.",
-    ),
-}
-
-
 class BatchRunner:
     def __init__(
         self,
@@ -110,22 +92,47 @@ class BatchRunner:
         concurrency: int,
         max_lines: int,
         priority: int,
+        replica: str,
+        lease_s: float = 10.0,
         poll_s: float = 0.2,
+        watch_s: float = 1.0,
     ) -> None:
+        """`poll_s`: how often a batch waiting for room looks again; `watch_s`: how often
+        the store is asked for new batches and for status changes made elsewhere."""
         self.store = store
         self.serving = serving
         self.max_lines = max_lines
         self.priority = priority
+        self.replica = replica
         self.poll_s = poll_s
-        self._sem = asyncio.Semaphore(concurrency)
+        self.watch_s = watch_s
+        self._capacity = concurrency
+        self._busy = 0  # this server's batch requests in flight, all batches together
+        self._heartbeat = Heartbeat(store, replica, lease_s)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
+        self._watcher: asyncio.Task[None] | None = None
         self._stopping = False
+
+    async def _call(self, fn: Callable[..., T], *args: Any, **kw: Any) -> T:
+        """A store call, off the event loop (PostgreSQL is a network round trip away)."""
+        return await asyncio.to_thread(fn, *args, **kw)
 
     # -- control ---------------------------------------------------------------------------
     def start(self) -> None:
-        for batch_id in self.store.batch_ids(ACTIVE):
-            self.submit(batch_id)
+        self._heartbeat.start()
+        self._watcher = asyncio.create_task(self._watch(), name="batch-watcher")
+
+    async def _watch(self) -> None:
+        """Run every active batch of the store here too: those other replicas created, and
+        those whose finalizer died."""
+        while not self._stopping:
+            try:
+                for batch_id in await self._call(self.store.batch_ids, ACTIVE):
+                    self.submit(batch_id)
+            except Exception:
+                log.warning("could not list active batches", exc_info=True)
+            await asyncio.sleep(self.watch_s)
 
     def submit(self, batch_id: str) -> None:
         if self._stopping or batch_id in self._tasks:
@@ -143,7 +150,8 @@ class BatchRunner:
         task.add_done_callback(done)
 
     def cancel(self, batch_id: str) -> None:
-        """The batch is already marked `cancelling` in the store; stop its work."""
+        """The batch is already marked `cancelling` in the store; stop its work here now
+        (other replicas see the status within `watch_s`)."""
         event = self._cancel.get(batch_id)
         if event is not None:
             event.set()
@@ -151,117 +159,172 @@ class BatchRunner:
             self.submit(batch_id)
 
     async def stop(self, grace_s: float) -> None:
-        """Stop launching requests; give in-flight ones `grace_s`, then abort them."""
+        """Stop launching requests; give in-flight ones `grace_s`, then abort them and hand
+        their lines to the other replicas."""
         self._stopping = True
+        if self._watcher is not None:
+            self._watcher.cancel()
+            await asyncio.gather(self._watcher, return_exceptions=True)
         tasks = list(self._tasks.values())
         if tasks:
             _, pending = await asyncio.wait(tasks, timeout=grace_s)
             for t in pending:
                 t.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
+        self._heartbeat.stop()
+        try:
+            await self._call(self.store.leave, self.replica)
+        except Exception:  # its claims lapse with its lease instead
+            log.warning("could not hand back the lines of replica %s", self.replica, exc_info=True)
 
     # -- one batch -------------------------------------------------------------------------
     def _lines(self, obj: dict[str, Any]) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-        try:
-            with self.store.file_path(obj["input_file_id"]).open("rb") as f:
-                return parse_batch_file(
-                    read_chunks(f), max_lines=self.max_lines, endpoint=obj["endpoint"]
-                )
-        except FileNotFoundError:
-            return [], [
-                {
-                    "code": "file_not_found",
-                    "message": "the input file is gone",
-                    "param": "input_file_id",
-                    "line": None,
-                }
-            ]
+        chunks = self.store.read_file(obj["input_file_id"])
+        if chunks is None:
+            gone = {"code": "file_not_found", "message": "the input file is gone"}
+            return [], [{**gone, "param": "input_file_id", "line": None}]
+        return parse_batch_file(chunks, max_lines=self.max_lines, endpoint=obj["endpoint"])
 
     async def _run(self, batch_id: str) -> None:
-        obj = self.store.get_batch(batch_id)
-        if obj is None:
-            return
-        lines, errors = self._lines(obj)
-        status = BatchStatus(obj["status"])
-        if status is BatchStatus.VALIDATING:
-            if errors:
-                self.store.update_batch(
-                    batch_id,
-                    status=BatchStatus.FAILED,
-                    failed_at=int(time.time()),
-                    errors={"object": "list", "data": errors[:100]},
-                )
+        """Take the batch from whatever status it is in to the end, or as far as this
+        replica can: every step re-reads the status, since another replica may move it."""
+        parsed: tuple[list[BatchLine], list[dict[str, Any]]] | None = None
+        while not self._stopping:
+            obj = await self._call(self.store.get_batch, batch_id)
+            if obj is None or obj["status"] in TERMINAL:
                 return
-            model = next((ln.body.get("model") for ln in lines), None)
-            status = BatchStatus.IN_PROGRESS
+            status = BatchStatus(obj["status"])
+            if status in CLOSING and not await self._call(
+                self.store.claim_finalizer, batch_id, self.replica
+            ):
+                return  # a live replica finalizes it
+            if parsed is None:
+                parsed = await self._call(self._lines, obj)
+            lines, errors = parsed
+            if status in CLOSING:
+                await self._call(self._finalize, batch_id, obj, lines)
+                return
+            if status is BatchStatus.VALIDATING:
+                await self._call(self._validate, batch_id, lines, errors)
+            else:
+                await self._execute_all(batch_id, obj, lines)
+
+    def _validate(
+        self, batch_id: str, lines: list[BatchLine], errors: list[dict[str, Any]]
+    ) -> None:
+        """Fail the batch or start it; whichever replica validates first decides."""
+        now = int(time.time())
+        if errors:
             self.store.update_batch(
                 batch_id,
-                status=status,
-                in_progress_at=int(time.time()),
-                model=model if isinstance(model, str) else None,
-                request_counts={"total": len(lines), "completed": 0, "failed": 0},
+                expect=(BatchStatus.VALIDATING,),
+                status=BatchStatus.FAILED,
+                failed_at=now,
+                errors={"object": "list", "data": errors[:100]},
             )
-        if status is BatchStatus.IN_PROGRESS:
-            final = await self._execute_all(batch_id, obj.get("expires_at"), lines)
-            if final is None:
-                return  # stopping: resume later
-            if final is BatchStatus.COMPLETED:
-                self.store.update_batch(
-                    batch_id, status=BatchStatus.FINALIZING, finalizing_at=int(time.time())
-                )
-            self._finalize(batch_id, lines, final)
-        elif status is BatchStatus.FINALIZING:
-            self._finalize(batch_id, lines, BatchStatus.COMPLETED)
-        elif status is BatchStatus.CANCELLING:
-            self._finalize(batch_id, lines, BatchStatus.CANCELLED)
+            return
+        model = next((ln.body.get("model") for ln in lines), None)
+        self.store.update_batch(
+            batch_id,
+            expect=(BatchStatus.VALIDATING,),
+            status=BatchStatus.IN_PROGRESS,
+            in_progress_at=now,
+            model=model if isinstance(model, str) else None,
+            request_counts={"total": len(lines), "completed": 0, "failed": 0},
+        )
 
-    def _interrupted(self, batch_id: str, expires_at: int | None) -> BatchStatus | None:
-        if self._cancel[batch_id].is_set():
-            return BatchStatus.CANCELLED
-        if expires_at is not None and time.time() >= expires_at:
-            return BatchStatus.EXPIRED
-        return None
+    def _close(self, batch_id: str, *, expired: bool) -> None:
+        """`in_progress` → `finalizing`, with this replica as the finalizer: when every line
+        has its result, or at once when the batch expired (its results freeze either way)."""
+        now = int(time.time())
+        fields: dict[str, Any] = {"status": BatchStatus.FINALIZING, "finalizing_at": now}
+        if expired:
+            fields["expired_at"] = now
+        self.store.update_batch(
+            batch_id,
+            expect=(BatchStatus.IN_PROGRESS,),
+            worker=self.replica,
+            when_lines_done=not expired,
+            **fields,
+        )
 
     async def _execute_all(
-        self, batch_id: str, expires_at: int | None, lines: list[BatchLine]
-    ) -> BatchStatus | None:
-        """Run every line not yet done; the final status, or None when stopping."""
-        done = self.store.done_custom_ids(batch_id)
-        pending = [ln for ln in lines if ln.custom_id not in done]
+        self, batch_id: str, obj: dict[str, Any], lines: list[BatchLine]
+    ) -> None:
+        """Claim and run lines while the batch is in progress here; return when it is not
+        (closed here or elsewhere, cancelled) or when stopping."""
+        by_id = {ln.custom_id: ln for ln in lines}
+        await self._call(self.store.add_lines, batch_id, [(c, ln.line) for c, ln in by_id.items()])
+        # No line of this batch runs here now: any this replica holds are from a past life.
+        await self._call(self.store.release_lines, self.replica, batch_id)
+        expires_at = obj.get("expires_at")
+        cancel = self._cancel[batch_id]
         inflight: set[asyncio.Task[None]] = set()
+        checked = time.monotonic()
         try:
-            for ln in pending:
-                while self._sem.locked():  # wait for a slot, watching for interruptions
-                    if self._stopping or self._interrupted(batch_id, expires_at):
+            while not (self._stopping or cancel.is_set()):
+                look = time.monotonic() - checked >= self.watch_s  # cancelled elsewhere?
+                checked = time.monotonic() if look else checked
+                try:
+                    if not await self._step(batch_id, by_id, expires_at, inflight, look):
                         break
-                    if inflight:
-                        await asyncio.wait(
-                            inflight, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED
-                        )
-                    else:  # other batches hold every slot
-                        await asyncio.sleep(self.poll_s)
-                if self._stopping or self._interrupted(batch_id, expires_at):
-                    break
-                await self._sem.acquire()
-                task = asyncio.create_task(self._one(batch_id, ln))
-                task.add_done_callback(lambda _t: self._sem.release())
-                inflight.add(task)
-                task.add_done_callback(inflight.discard)
-            while inflight:
-                if self._interrupted(batch_id, expires_at):
-                    break
-                await asyncio.wait(inflight, timeout=self.poll_s)
+                except StoreError:  # in-flight lines go on; their results wait for it
+                    log.warning("the store failed; batch %s waits", batch_id, exc_info=True)
+                    await asyncio.sleep(self.watch_s)
+            while self._stopping and inflight and not cancel.is_set():
+                await asyncio.wait(inflight, timeout=self.poll_s)  # the grace period
         finally:
             for t in list(inflight):
                 t.cancel()
             if inflight:
                 await asyncio.gather(*inflight, return_exceptions=True)
-        reason = self._interrupted(batch_id, expires_at)
-        if reason is not None:
-            return reason
-        if self._stopping and len(self.store.done_custom_ids(batch_id)) < len(lines):
-            return None
-        return BatchStatus.COMPLETED
+
+    async def _step(
+        self,
+        batch_id: str,
+        by_id: dict[str, BatchLine],
+        expires_at: int | None,
+        inflight: set[asyncio.Task[None]],
+        look: bool,
+    ) -> bool:
+        """One round: check the status (when `look`) and the expiry, claim as many lines as
+        there are free slots, or wait. False once the batch is not in progress here."""
+        if look:
+            now = await self._call(self.store.get_batch, batch_id)
+            if now is None or now["status"] != BatchStatus.IN_PROGRESS:
+                return False
+        if expires_at is not None and time.time() >= expires_at:
+            await self._call(self._close, batch_id, expired=True)
+            return False
+        free = self._capacity - self._busy
+        claimed = []
+        if free > 0:
+            claimed = await self._call(self.store.claim_lines, batch_id, self.replica, free)
+        for custom_id in claimed:
+            self._launch(batch_id, by_id[custom_id], inflight)
+        if claimed:
+            return True
+        if free > 0 and not inflight:
+            if not await self._call(self.store.lines_left, batch_id):
+                await self._call(self._close, batch_id, expired=False)
+                return False  # closed here or by another replica: the caller reads which
+            await asyncio.sleep(self.watch_s)  # the rest are other replicas' now
+        elif inflight:
+            await asyncio.wait(inflight, timeout=self.poll_s, return_when=asyncio.FIRST_COMPLETED)
+        else:  # other batches hold every slot
+            await asyncio.sleep(self.poll_s)
+        return True
+
+    def _launch(self, batch_id: str, ln: BatchLine, inflight: set[asyncio.Task[None]]) -> None:
+        self._busy += 1
+        task = asyncio.create_task(self._one(batch_id, ln))
+        inflight.add(task)
+
+        def done(t: asyncio.Task[None]) -> None:
+            self._busy -= 1
+            inflight.discard(t)
+
+        task.add_done_callback(done)
 
     async def _one(self, batch_id: str, ln: BatchLine) -> None:
         while True:
@@ -269,64 +332,36 @@ class BatchRunner:
             if r.status == 429:  # the engine queue is full: wait, do not fail the request
                 await asyncio.sleep(0.5)
                 continue
-            if r.status == 503:  # shutting down: leave it for the resume
+            if r.status == 503:  # shutting down: leave it for another replica or the resume
                 return
             break
-        rid = r.body.get("id") if r.status == 200 else None
-        line = {
-            "id": new_id("batch_req_"),
-            "custom_id": ln.custom_id,
-            "response": {
-                "status_code": r.status,
-                "request_id": rid or new_id("req_"),
-                "body": r.body,
-            },
-            "error": None,
-        }
+        line = result_line(ln.custom_id, r.status, r.body)
         ok = r.status == 200
-        if self.store.add_result(
-            batch_id, ln.custom_id, ln.line, ok, line, r.prompt_tokens, r.completion_tokens
-        ):
+        args = (batch_id, ln.custom_id, ln.line, ok, line, r.prompt_tokens, r.completion_tokens)
+        while True:  # a computed answer is worth waiting for the store to come back
+            try:
+                written = await self._call(self.store.add_result, *args)
+                break
+            except StoreError:
+                log.warning("could not store a result of batch %s; retrying", batch_id)
+                await asyncio.sleep(1.0)
+        if written:
             outcome = "completed" if ok else "failed"
             self.serving.metrics.batch_requests.labels(outcome=outcome).inc()
 
-    def _finalize(self, batch_id: str, lines: list[BatchLine], status: BatchStatus) -> None:
-        out: list[str] = []
-        err: list[str] = []
-        for ok, body in self.store.results(batch_id):
-            (out if ok else err).append(body)
-        if status in _NOT_RUN:
-            code, message = _NOT_RUN[status]
-            done = self.store.done_custom_ids(batch_id)
-            for ln in lines:
-                if ln.custom_id not in done:
-                    err.append(
-                        json.dumps(
-                            {
-                                "id": new_id("batch_req_"),
-                                "custom_id": ln.custom_id,
-                                "response": None,
-                                "error": {"code": code, "message": message},
-                            }
-                        )
-                    )
-        fields: dict[str, Any] = {"output_file_id": None, "error_file_id": None}
-        for key, rows, suffix in (
-            ("output_file_id", out, "output"),
-            ("error_file_id", err, "errors"),
-        ):
-            if rows:
-                fid = f"file-{batch_id.removeprefix('batch_')}{suffix[0]}"
-                self.store.create_file(
-                    f"{batch_id}_{suffix}.jsonl",
-                    "batch_output",
-                    ("\n".join(rows) + "\n").encode(),
-                    file_id=fid,
-                )
-                fields[key] = fid
+    def _finalize(self, batch_id: str, obj: dict[str, Any], lines: list[BatchLine]) -> None:
+        """Write the output and error files from the (frozen) results and end the batch, if
+        it is still this replica's to end."""
+        if obj["status"] == BatchStatus.CANCELLING:
+            status = BatchStatus.CANCELLED
+        else:
+            status = BatchStatus.EXPIRED if obj.get("expired_at") else BatchStatus.COMPLETED
+        done = self.store.done_custom_ids(batch_id)
+        not_run = (ln.custom_id for ln in lines if ln.custom_id not in done)
+        files, named = output_files(batch_id, status, self.store.results(batch_id), not_run)
+        fields: dict[str, Any] = dict(named)
         completed, failed, pt, ct = self.store.result_counts(batch_id)
-        now = int(time.time())
         fields["request_counts"] = {"total": len(lines), "completed": completed, "failed": failed}
         fields["usage"] = batch_usage(pt, ct)
-        fields[f"{status}_at"] = now
-        self.store.update_batch(batch_id, status=status, **fields)
+        fields[f"{status}_at"] = obj.get(f"{status}_at") or int(time.time())
+        self.store.finish_batch(batch_id, self.replica, files, status=status, **fields)

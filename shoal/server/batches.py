@@ -130,8 +130,12 @@ async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
 
 
 def request_cancel(state: ServerState, batch_id: str) -> None:
-    """Mark a running batch `cancelling`; the runner stops it and finalizes it `cancelled`."""
-    state.store.update_batch(
-        batch_id, status=BatchStatus.CANCELLING, cancelling_at=int(time.time())
-    )
-    state.runner.cancel(batch_id)
+    """Mark a batch that has not closed yet `cancelling`; the runners stop its lines on
+    every replica and one of them finalizes it `cancelled`."""
+    if state.store.update_batch(
+        batch_id,
+        expect=(BatchStatus.VALIDATING, BatchStatus.IN_PROGRESS),
+        status=BatchStatus.CANCELLING,
+        cancelling_at=int(time.time()),
+    ):
+        state.runner.cancel(batch_id)

@@ -22,6 +22,7 @@ from shoal.errors import (
     ShoalError,
 )
 from shoal.server.anthropic.formatting import error_body as anthropic_error_body
+from shoal.server.store import StoreError
 
 log = logging.getLogger("shoal.server")
 
@@ -95,6 +96,8 @@ def to_api_error(e: BaseException) -> APIError:
         return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineClosedError):
         return APIError(503, str(e), code="shutting_down", headers={"Retry-After": "5"})
+    if isinstance(e, StoreError):  # the database is away for a moment (or for good)
+        return APIError(503, str(e), code="store_unavailable", headers={"Retry-After": "5"})
     if isinstance(e, ShoalError):
         return APIError(500, f"engine error: {e}")
     return APIError(500, f"internal error: {type(e).__name__}")

@@ -11,11 +11,12 @@ import asyncio
 from typing import Annotated, Any, BinaryIO, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, UploadFile
-from fastapi.responses import FileResponse
+from fastapi.responses import StreamingResponse
 
 from shoal.server.batch_runner import ACTIVE
 from shoal.server.errors import APIError, not_found
 from shoal.server.formatting import list_page
+from shoal.server.ids import storable
 from shoal.server.jsonl import parse_batch_file, read_chunks
 from shoal.server.state import ServerState, get_state
 
@@ -36,6 +37,8 @@ async def upload_file(
     # The body is already spooled to a temporary file (the middleware capped its size); copy
     # it to the store in chunks, checking batch files line by line on the way, off the loop.
     name = file.filename or "upload.jsonl"
+    if not storable(name):
+        raise APIError(400, "the file name must be 1..512 characters of text", param="file")
     return await asyncio.to_thread(_store_upload, state, file.file, name, purpose)
 
 
@@ -78,12 +81,13 @@ async def get_file(state: State, file_id: str) -> dict[str, Any]:
 
 
 @router.get("/v1/files/{file_id}/content")
-async def file_content(state: State, file_id: str) -> FileResponse:
-    _file(state, file_id)
-    path = state.store.file_path(file_id)
-    if not path.is_file():
+async def file_content(state: State, file_id: str) -> StreamingResponse:
+    obj = _file(state, file_id)
+    chunks = state.store.read_file(file_id)
+    if chunks is None:
         raise not_found("file", file_id, "file_id")
-    return FileResponse(path, media_type="application/octet-stream")  # streamed in chunks
+    headers = {"content-length": str(obj["bytes"])}
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
 
 @router.delete("/v1/files/{file_id}")

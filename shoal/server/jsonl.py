@@ -13,6 +13,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from shoal.server.ids import MAX_ID, storable
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what /v1/batches accepts
 MESSAGES = "/v1/messages"  # Anthropic Message Batches, run by the same runner
 RUNNABLE = (*ENDPOINTS, MESSAGES)
@@ -98,6 +100,10 @@ class BatchFileChecker:
         if not isinstance(cid, str) or not cid:
             msg = "custom_id must be a non-empty string"
             self._fail(no, "missing_required_parameter", msg, "custom_id")
+            return None
+        if not storable(cid):
+            msg = f"custom_id must be at most {MAX_ID} characters of text, without NUL"
+            self._fail(no, "invalid_custom_id", msg, "custom_id")
             return None
         if cid in self._seen:
             msg = f"custom_id {cid!r} is used more than once"

@@ -1,5 +1,5 @@
-"""What the server holds at run time: its configuration, the serving path, the store, the runner
-and, with `--quota`, the quota gate.
+"""What the server holds at run time: its configuration, the serving path, the store (files and
+batches, maybe shared with other replicas), the runner and, with `--quota`, the quota gate.
 
 One `ServerState` per app, set as `app.state.shoal` when the app starts and reached through
 `request.app.state` (never module globals), so several servers can run in one process (the
@@ -15,15 +15,17 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from shoal.config import EngineConfig
+from shoal.server.store import Store
+from shoal.urls import redact
 
 if TYPE_CHECKING:
     from shoal.engine.protocol import EngineProtocol
     from shoal.server.batch_runner import BatchRunner
     from shoal.server.quota import QuotaGate
     from shoal.server.serving import Serving
-    from shoal.server.store import Store
 
 MiB = 1 << 20
+STORE_FILE = "shoal.sqlite3"  # the default store: SQLite in the data dir
 
 
 @dataclass(slots=True)
@@ -41,11 +43,19 @@ class ServerConfig:
     batch_grace_s: float = 2.0
     session_save_s: float = 1.0  # how often an idle engine writes unsaved session KV to disk
     quota_config: Path | None = None  # `--quota`: a limits file with a [serve] budget
+    store: str | None = None  # `--store`: a path, sqlite:///... or postgresql://...
+    batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
+
+    @property
+    def store_url(self) -> str:
+        """The batch store: `store`, else SQLite in the data dir."""
+        return self.store or str(self.data_dir / STORE_FILE)
 
     def describe(self) -> dict[str, str]:
         """The server's own settings, as `/metrics` shows them (never the API key)."""
         return {
             "data_dir": str(self.data_dir),
+            "store": redact(self.store_url),
             "auth": "bearer" if self.api_key else "none",
             "batch_concurrency": str(self.batch_concurrency),
             "max_batch_lines": str(self.max_batch_lines),

@@ -1,5 +1,5 @@
 """Run a server on 127.0.0.1 for subprocess tests (kill -9, SIGTERM): `shoal serve` plus the
-settings tests need (a small KV pool, batch concurrency)."""
+settings tests need (a small KV pool, batch concurrency, a shared store and its lease)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,18 @@ def main() -> None:
     p.add_argument("--num-blocks", type=int, default=1024)
     p.add_argument("--max-num-seqs", type=int, default=8)
     p.add_argument("--batch-concurrency", type=int, default=4)
+    p.add_argument("--store", default=None)
+    p.add_argument("--batch-lease-s", type=float, default=10.0)
     a = p.parse_args()
     engine = EngineConfig(
         model=a.model, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, max_waiting=1024
     )
     config = ServerConfig(
-        engine=engine, data_dir=Path(a.data_dir), batch_concurrency=a.batch_concurrency
+        engine=engine,
+        data_dir=Path(a.data_dir),
+        batch_concurrency=a.batch_concurrency,
+        store=a.store,
+        batch_lease_s=a.batch_lease_s,
     )
     run_server(config, "127.0.0.1", a.port, log_level="warning")
 

@@ -3,7 +3,8 @@ a tiny model with a tokenizer, and live uvicorn servers on 127.0.0.1.
 
 `server` is one shared in-thread server (its engine is reachable for pool checks);
 `start_server(**config)` starts more with other settings; `spawn_server(data_dir)` runs one
-in a subprocess (for kill -9 and SIGTERM tests). Every server stops itself.
+in a subprocess (for kill -9 and SIGTERM tests). Every server stops itself. `postgres` is one
+throwaway PostgreSQL for the session; `fresh_store(request, kind)` gives a test its own store.
 """
 
 from __future__ import annotations
@@ -29,6 +30,34 @@ from shoal.server.state import ServerConfig
 
 NUM_BLOCKS = 1024
 HERE = Path(__file__).parent
+STORES = ["sqlite", "postgresql"]  # the batch store kinds that tests run against
+
+
+def _no_postgres(why: str) -> None:
+    if os.environ.get("SHOAL_SKIP_POSTGRES_TESTS") == "1":
+        pytest.skip(f"{why} and SHOAL_SKIP_POSTGRES_TESTS=1")
+    pytest.fail(f"{why}: run `make test`, which installs it")
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[Any]:
+    """A `pg_harness.LocalPostgres` for the whole session. Without PostgreSQL or psycopg the
+    tests that need it fail, unless SHOAL_SKIP_POSTGRES_TESTS=1 says it cannot be installed."""
+    try:
+        from pg_harness import local_postgres, pg_bindir
+    except ImportError as e:
+        _no_postgres(f"psycopg is not installed ({e})")
+    if pg_bindir() is None:
+        _no_postgres("PostgreSQL is not installed")
+    with local_postgres() as server:
+        yield server
+
+
+def fresh_store(request: pytest.FixtureRequest, kind: str) -> str | None:
+    """A new, empty store of `kind` for `--store` (None: SQLite in the server's data dir)."""
+    if kind == "sqlite":
+        return None
+    return str(request.getfixturevalue("postgres").new_database())
 
 
 @pytest.fixture(scope="session")

@@ -104,6 +104,9 @@ def test_quota_routes_are_served_beside_the_api(live: LiveServer) -> None:
     assert r.status_code == 200 and r.json()["results"][0]["allowed"] is True
     assert used(live)["global:jobs:concurrency"] == 1
     assert httpx.get(f"{live.url}/health").json()["status"] == "ok"  # still the server's
+    scrape = httpx.get(f"{live.url}/metrics").text  # the quota's metrics join the server's
+    assert 'shoal_quota_limit_used{key="global:jobs:concurrency",kind="concurrency"} 1.0' in scrape
+    assert "shoal_kv_cache_blocks_free" in scrape
 
 
 def test_serve_with_a_bad_quota_file_says_so_before_loading_a_model(

@@ -1,4 +1,5 @@
-"""Kill -9 (and SIGTERM) mid-batch, restart on the same data dir: nothing lost, nothing twice."""
+"""Kill -9 (and SIGTERM) mid-batch, restart on the same data dir: nothing lost, nothing twice
+(on either store kind: the restarted server takes its own claimed lines back at once)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import pytest
 from batch_helpers import chat_line, read_lines, submit_batch, wait_batch
+from server_fixtures import STORES, fresh_store
 from server_harness import SpawnedServer
 
 N = 24
@@ -58,14 +61,20 @@ def _check_complete(srv: SpawnedServer, batch_id: str) -> None:
         assert x["response"]["body"]["usage"]["completion_tokens"] == 48
 
 
+@pytest.mark.parametrize("store_kind", STORES)
 def test_kill_and_restart_mid_batch(
-    spawn_server: Callable[..., SpawnedServer], tmp_path: Path
+    spawn_server: Callable[..., SpawnedServer],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    store_kind: str,
 ) -> None:
     data = tmp_path / "data"
-    srv = spawn_server(data)
+    url = fresh_store(request, store_kind)
+    store = ["--store", url] if url else []
+    srv = spawn_server(data, *store)
     batch_id, before = _batch_partway(srv)
     srv.kill()
-    srv2 = spawn_server(data)
+    srv2 = spawn_server(data, *store)
     b = srv2.client().batches.retrieve(batch_id)
     assert b.request_counts is not None and b.request_counts.completed >= before
     _check_complete(srv2, batch_id)

@@ -21,7 +21,7 @@ from shoal.server.batch_runner import TERMINAL, BatchStatus
 from shoal.server.batches import live, request_cancel, start_batch
 from shoal.server.errors import APIError, not_found
 from shoal.server.ids import new_id
-from shoal.server.jsonl import MESSAGES, read_chunks, split_lines
+from shoal.server.jsonl import MESSAGES, split_lines
 from shoal.server.state import ServerState, get_state
 
 router = APIRouter()
@@ -99,10 +99,9 @@ def _result_lines(state: ServerState, obj: dict[str, Any]) -> Iterator[bytes]:
     for key in ("output_file_id", "error_file_id"):
         if not obj.get(key):
             continue
-        with state.store.file_path(obj[key]).open("rb") as f:
-            for raw in split_lines(read_chunks(f)):
-                if raw.strip():
-                    yield json.dumps(fmt.result_line(json.loads(raw))).encode() + b"\n"
+        for raw in split_lines(state.store.read_file(obj[key]) or ()):
+            if raw.strip():
+                yield json.dumps(fmt.result_line(json.loads(raw))).encode() + b"\n"
 
 
 @router.get(PREFIX + "/{batch_id}/results")
