@@ -131,7 +131,7 @@ def main() -> None:
         gflops = flops.total * rate / work.num_output_tokens / 1e9
         print(
             f"{name:<15} {rate:7.1f} output tokens/s  {gflops:6.1f} GFLOP/s "
-            f"({100 * gflops / cpu.peak_gflops:.0f}% of peak)"
+            f"({100 * gflops / cpu.peak_for(args.dtype):.0f}% of the {args.dtype} peak)"
         )
     for name, rate in rates.items():
         if name != "shoal":

@@ -97,12 +97,24 @@ class CpuInfo:
         """float32 peak of all cores: cores x FLOP/cycle x clock."""
         return self.cores * self.flop_per_cycle * self.mhz / 1e3
 
+    @property
+    def bf16_speedup(self) -> int:
+        """bfloat16 products per float32 FMA: AMX-BF16 tiles do 16x a core's AVX-512 FMAs;
+        VDPBF16PS multiplies pairs, 2x; without either, bfloat16 runs widened, 1x."""
+        return 16 if "amx_bf16" in self.flags else 2 if "avx512_bf16" in self.flags else 1
+
+    def peak_for(self, dtype: str) -> float:
+        """The peak GFLOP/s products of `dtype` can reach on all cores."""
+        return self.peak_gflops * (self.bf16_speedup if dtype == "bfloat16" else 1)
+
     def describe(self) -> str:
         isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16") if f in self.flags]
+        bf16 = f", bfloat16 {self.peak_for('bfloat16'):.0f}" if self.bf16_speedup > 1 else ""
         return (
             f"{self.model} (family {self.family}, model {self.model_id}), {self.cores} cores, "
             f"{'+'.join(isa) or 'no avx2'}; float32 peak {self.cores} x {self.flop_per_cycle} "
-            f"FLOP/cycle x {self.mhz:.0f} MHz ({self.mhz_source}) = {self.peak_gflops:.0f} GFLOP/s"
+            f"FLOP/cycle x {self.mhz:.0f} MHz ({self.mhz_source}) = {self.peak_gflops:.0f} "
+            f"GFLOP/s{bf16}"
         )
 
 

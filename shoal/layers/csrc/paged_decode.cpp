@@ -157,100 +157,120 @@ void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table
 #endif
 
 #if defined(__AVX512BF16__)
+// Calls fn(first token, count, rows) for runs of up to TU tokens of one block, in order, and
+// prefetches the same tokens of the next block (blocks sit anywhere in the pool).
+template <typename KV, typename Fn>
+inline void walk_runs(const KV* cache, const int64_t* table, int64_t len, int64_t bs,
+                      int64_t token_stride, Fn&& fn) {
+  const int64_t token_bytes = token_stride * int64_t(sizeof(KV));
+  for (int64_t start = 0; start < len; start += bs) {
+    const int64_t n = std::min(bs, len - start), j = start / bs;
+    const KV* block = cache + table[j] * bs * token_stride;
+    const char* next = start + n < len
+                           ? reinterpret_cast<const char*>(cache + table[j + 1] * bs * token_stride)
+                           : nullptr;
+    for (int64_t i = 0; i < n; i += TU) {
+      const int64_t m = std::min<int64_t>(TU, n - i);
+      if (next) {
+        for (int64_t off = i * token_bytes; off < (i + m) * token_bytes; off += 64)
+          __builtin_prefetch(next + off);
+      }
+      fn(start + i, m, block + i * token_stride);
+    }
+  }
+}
+
 // bfloat16 queries over a bfloat16 cache with AVX512_BF16 (Zen 4, Sapphire Rapids): VDPBF16PS
 // multiplies pairs of bfloat16 and accumulates in float32, 32 products an instruction, so no
-// key or value is ever widened. Loops go kv head by kv head, the group's query heads and
-// accumulators in registers. Scores: four tokens' dot products reduced by one shuffle tree.
-// Values: two tokens' rows interleaved (unpack lo/hi) meet the pair of their probabilities,
-// rounded to bfloat16 as transformers rounds them before P·V; the unpacks permute the
-// dimensions, which the final store undoes.
+// key or value is ever widened. One streaming pass over the keys, four tokens at a time: each
+// kv head's four key rows stay in registers for its query heads, whose four dot products are
+// reduced by one shuffle tree. One pass over the values: two tokens' rows interleaved (unpack
+// lo/hi) meet the pair of their probabilities, rounded to bfloat16 as transformers rounds them
+// before P·V; the unpacks permute the dimensions of the accumulators, the final store undoes it.
 template <int DIM>
 void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, const int64_t* table,
                  int64_t len, uint16_t* out, const Shape& s, float scale, std::vector<float>& sc,
                  std::vector<float>& acc) {
   constexpr int NP = DIM / 32;  // vectors of 32 bfloat16 per head row
-  constexpr int HB = 16 / (2 * NP) > 0 ? 16 / (2 * NP) : 1;  // heads whose sums fit registers
-  const int64_t group = s.heads / s.kv_heads, heads = s.heads, bs = s.block_size;
-  const int64_t token_stride = s.kv_heads * DIM;
+  const int64_t group = s.heads / s.kv_heads, heads = s.heads, token_stride = s.kv_heads * DIM;
   sc.resize(heads * len);
-  auto rows = [&](const uint16_t* cache, int64_t t) {
-    return cache + (table[t / bs] * bs + t % bs) * token_stride;
-  };
+  float* scores = sc.data();
   auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  for (int64_t g = 0; g < s.kv_heads; ++g) {
-    __m512bh qv[8][NP];  // the group's query heads (up to 8 at a time)
-    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += 8) {
-      const int64_t nh = std::min<int64_t>(8, (g + 1) * group - h0);
-      for (int64_t h = 0; h < nh; ++h)
-        for (int c = 0; c < NP; ++c) qv[h][c] = load(q + (h0 + h) * DIM + c * 32);
-      int64_t t = 0;
-      for (; t + 4 <= len; t += 4) {
-        __m512bh key[4][NP];
-        for (int i = 0; i < 4; ++i)
-          for (int c = 0; c < NP; ++c) key[i][c] = load(rows(kc, t + i) + g * DIM + c * 32);
-        for (int64_t h = 0; h < nh; ++h) {
-          __m512 d[4];
-          for (int i = 0; i < 4; ++i) {
-            d[i] = _mm512_setzero_ps();
-            for (int c = 0; c < NP; ++c) d[i] = _mm512_dpbf16_ps(d[i], qv[h][c], key[i][c]);
+  walk_runs(kc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* k) {
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      if (m == TU) {
+        __m512bh key[TU][NP];
+        for (int i = 0; i < TU; ++i)
+          for (int c = 0; c < NP; ++c) key[i][c] = load(k + i * token_stride + g * DIM + c * 32);
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+          __m512 d[TU];
+          for (int i = 0; i < TU; ++i) d[i] = _mm512_setzero_ps();
+          for (int c = 0; c < NP; ++c) {
+            const __m512bh qh = load(q + h * DIM + c * 32);
+            for (int i = 0; i < TU; ++i) d[i] = _mm512_dpbf16_ps(d[i], qh, key[i][c]);
           }
           const __m128 sums = shoal::vsum4(d[0], d[1], d[2], d[3]);
-          _mm_storeu_ps(sc.data() + (h0 + h) * len + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+          _mm_storeu_ps(scores + h * len + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
         }
+        continue;
       }
-      for (; t < len; ++t) {
-        for (int64_t h = 0; h < nh; ++h) {
+      for (int64_t i = 0; i < m; ++i) {
+        for (int64_t h = g * group; h < (g + 1) * group; ++h) {
           __m512 d = _mm512_setzero_ps();
           for (int c = 0; c < NP; ++c)
-            d = _mm512_dpbf16_ps(d, qv[h][c], load(rows(kc, t) + g * DIM + c * 32));
-          sc[(h0 + h) * len + t] = _mm512_reduce_add_ps(d) * scale;
+            d = _mm512_dpbf16_ps(d, load(q + h * DIM + c * 32),
+                                 load(k + i * token_stride + g * DIM + c * 32));
+          scores[h * len + t + i] = _mm512_reduce_add_ps(d) * scale;
         }
       }
     }
-  }
-  shoal::softmax_rows(sc.data(), heads, len);
-  acc.resize(heads * DIM);
+  });
+  shoal::softmax_rows(scores, heads, len);
+  acc.assign(heads * DIM, 0.0f);
+  float* a = acc.data();
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t g = 0; g < s.kv_heads; ++g) {
-    for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += HB) {
-      const int64_t nh = std::min<int64_t>(HB, (g + 1) * group - h0);
-      __m512 a[HB][2 * NP];
-      for (int h = 0; h < HB; ++h)
-        for (int c = 0; c < 2 * NP; ++c) a[h][c] = _mm512_setzero_ps();
-      for (int64_t t = 0; t < len; t += 2) {
-        const bool pair = t + 1 < len;
-        __m512bh lo[NP], hi[NP];
+  walk_runs(vc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* v) {
+    const int64_t pairs = (m + 1) / 2;  // an odd last token pairs with a zero row
+    for (int64_t g = 0; g < s.kv_heads; ++g) {
+      __m512bh lo[TU / 2][NP], hi[TU / 2][NP];
+      for (int64_t pi = 0; pi < pairs; ++pi) {
+        const uint16_t* row = v + 2 * pi * token_stride + g * DIM;
+        const bool two = 2 * pi + 1 < m;
         for (int c = 0; c < NP; ++c) {
-          const __m512i v0 = _mm512_loadu_si512(rows(vc, t) + g * DIM + c * 32);
-          const __m512i v1 = pair ? _mm512_loadu_si512(rows(vc, t + 1) + g * DIM + c * 32) : zero;
-          lo[c] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
-          hi[c] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
+          const __m512i v0 = _mm512_loadu_si512(row + c * 32);
+          const __m512i v1 = two ? _mm512_loadu_si512(row + token_stride + c * 32) : zero;
+          lo[pi][c] = (__m512bh)_mm512_unpacklo_epi16(v0, v1);
+          hi[pi][c] = (__m512bh)_mm512_unpackhi_epi16(v0, v1);
         }
-        for (int64_t h = 0; h < nh; ++h) {
-          const float* p = sc.data() + (h0 + h) * len + t;
-          const uint32_t bits = shoal::to_bf16(p[0]) | uint32_t(pair ? shoal::to_bf16(p[1]) : 0) << 16;
-          const __m512bh pp = (__m512bh)_mm512_set1_epi32(int(bits));
+      }
+      for (int64_t h = g * group; h < (g + 1) * group; ++h) {
+        const float* p = scores + h * len + t;
+        float* ah = a + h * DIM;
+        __m512 x[2 * NP];
+        for (int c = 0; c < 2 * NP; ++c) x[c] = _mm512_loadu_ps(ah + 16 * c);
+        for (int64_t pi = 0; pi < pairs; ++pi) {
+          const uint32_t second = 2 * pi + 1 < m ? shoal::to_bf16(p[2 * pi + 1]) : 0;
+          const __m512bh pp = (__m512bh)_mm512_set1_epi32(
+              int(shoal::to_bf16(p[2 * pi]) | second << 16));
           for (int c = 0; c < NP; ++c) {
-            a[h][2 * c] = _mm512_dpbf16_ps(a[h][2 * c], lo[c], pp);
-            a[h][2 * c + 1] = _mm512_dpbf16_ps(a[h][2 * c + 1], hi[c], pp);
+            x[2 * c] = _mm512_dpbf16_ps(x[2 * c], lo[pi][c], pp);
+            x[2 * c + 1] = _mm512_dpbf16_ps(x[2 * c + 1], hi[pi][c], pp);
           }
         }
-      }
-      // Lane 4k + i of lo[c] holds dimension 32c + 8k + i; of hi[c], 32c + 8k + 4 + i.
-      for (int64_t h = 0; h < nh; ++h) {
-        alignas(64) float lanes[2][16];
-        for (int c = 0; c < NP; ++c) {
-          _mm512_store_ps(lanes[0], a[h][2 * c]);
-          _mm512_store_ps(lanes[1], a[h][2 * c + 1]);
-          uint16_t* o = out + (h0 + h) * DIM + c * 32;
-          for (int k = 0; k < 4; ++k)
-            for (int i = 0; i < 4; ++i) {
-              o[8 * k + i] = shoal::to_bf16(lanes[0][4 * k + i]);
-              o[8 * k + 4 + i] = shoal::to_bf16(lanes[1][4 * k + i]);
-            }
-        }
+        for (int c = 0; c < 2 * NP; ++c) _mm512_storeu_ps(ah + 16 * c, x[c]);
       }
     }
+  });
+  // Lane 4k + i of the lo vector of chunk c holds dimension 32c + 8k + i; of hi, 32c + 8k + 4 + i.
+  for (int64_t h = 0; h < heads; ++h) {
+    const float* ah = a + h * DIM;
+    uint16_t* o = out + h * DIM;
+    for (int c = 0; c < NP; ++c)
+      for (int k = 0; k < 4; ++k)
+        for (int i = 0; i < 4; ++i) {
+          o[32 * c + 8 * k + i] = shoal::to_bf16(ah[32 * c + 4 * k + i]);
+          o[32 * c + 8 * k + 4 + i] = shoal::to_bf16(ah[32 * c + 16 + 4 * k + i]);
+        }
   }
 }
 #endif
