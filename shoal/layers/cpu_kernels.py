@@ -233,8 +233,7 @@ class CpuKernels:
         """`rmsnorm(x) * weight`; with `residual`, first `residual += x` (in place) and the sum
         is normalized. Rows of `x` may be strided; `residual` must be contiguous."""
         h = x.shape[-1]
-        rows = x.reshape(-1, h) if x.is_contiguous() else x.reshape(-1, h).contiguous()
-        assert weight.dtype == x.dtype and (residual is None or residual.is_contiguous())
+        rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, h).contiguous()
         out = torch.empty(rows.shape, dtype=x.dtype)
         self._fn(f"rms_norm_{_SUFFIX[x.dtype]}")(
             rows.data_ptr(),
@@ -373,6 +372,7 @@ def build(march: str = "native") -> CpuKernels | None:
     return CpuKernels(ctypes.CDLL(str(lib_path)), march)
 
 
+@functools.cache
 def native() -> CpuKernels | None:
     """The kernels for this CPU, which the engine uses; None where they cannot be built."""
     if os.environ.get("SHOAL_DISABLE_CPU_KERNELS"):
