@@ -40,6 +40,46 @@ def _message(e: Exception) -> str:
     return _LOCATION.sub("", str(e).strip()).strip()
 
 
+_DATA = {"enum", "const", "default", "examples"}  # values, not schemas
+
+
+def _bounded_strings_as_patterns(node: Any) -> Any:
+    """xgrammar (0.2.8 still) lets a string with `minLength`/`maxLength` hold raw control
+    characters, which no JSON parser accepts, while a string with a `pattern` does not (its
+    issue 286). So such strings compile as the same bounds in a pattern: `^.{lo,hi}$`, which
+    also leaves escapes out of them. Used on schemas and on structural tags alike."""
+    if isinstance(node, list):
+        return [_bounded_strings_as_patterns(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _DATA else _bounded_strings_as_patterns(v) for k, v in node.items()}
+    if out.get("type") == "string" and not {"pattern", "format", *_DATA} & out.keys():
+        lo, hi = out.pop("minLength", None), out.pop("maxLength", None)
+        if lo is not None or hi is not None:
+            out["pattern"] = f"^.{{{lo or 0},{'' if hi is None else hi}}}$"
+    return out
+
+
+def _compact(node: Any) -> Any:
+    """A structural tag with each JSON schema in it as the grammar of that schema without free
+    whitespace, the policy `json` specs compile under: one `{"a": 1, "b": [2]}` style for all
+    the JSON shoal constrains (xgrammar's own json_schema format allows any whitespace)."""
+    if isinstance(node, list):
+        return [_compact(x) for x in node]
+    if not isinstance(node, dict):
+        return node
+    schema = node.get("json_schema")
+    if node.get("type") == "json_schema" and isinstance(schema, dict):
+        if node.get("style", "json") != "json" or node.get("any_order"):
+            return node  # formats this policy does not cover compile as they are
+        import xgrammar as xgr
+
+        text = json.dumps(_bounded_strings_as_patterns(schema))
+        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
+        return {"type": "grammar", "grammar": str(grammar)}
+    return {k: _compact(v) for k, v in node.items()}
+
+
 class GrammarState:
     """One sequence's matcher: what its output may continue with."""
 
@@ -108,7 +148,10 @@ class Grammars:
         kind, text = spec.key
         if kind == "json":
             # No free whitespace: a small model can otherwise spend its budget on blanks.
-            return compiler.compile_json_schema(text, any_whitespace=False, strict_mode=True)
+            schema = _bounded_strings_as_patterns(json.loads(text))
+            return compiler.compile_json_schema(
+                json.dumps(schema), any_whitespace=False, strict_mode=True
+            )
         if kind == "json_object":
             return compiler.compile_json_schema(
                 '{"type": "object"}', any_whitespace=False, strict_mode=False
@@ -122,7 +165,7 @@ class Grammars:
             )
         if kind == "grammar":
             return compiler.compile_grammar(text)
-        return compiler.compile_structural_tag(text)
+        return compiler.compile_structural_tag(json.dumps(_compact(json.loads(text))))
 
     def compile(self, spec: StructuredOutput) -> Any:
         """The compiled grammar of `spec`, from the cache or built now (any thread but the step

@@ -5,11 +5,11 @@ calls back out of the answer.
 - `response_format` `json_object` / `json_schema`: the answer is constrained to JSON (to the
   schema). `strict` is accepted either way: shoal always constrains, so the answer always
   validates, or ends with finish reason `length` when `max_tokens` runs out first.
-- `tool_choice` `required` or a named function: the grammar admits only calls (of that
-  function), each one's arguments valid against its schema; `parallel_tool_calls=false`
-  admits one. `auto` (the default with tools) leaves the model free and parses its answer
-  leniently; with a JSON `response_format` too, the answer is either calls or that JSON.
-  `none` presents no tools and parses nothing.
+- `tool_choice` `required` or a named function: the grammar admits only calls (one call of
+  that function), each one's arguments valid against its schema; with `required`,
+  `parallel_tool_calls=false` admits one. `auto` (the default with tools) leaves the model
+  free and parses its answer leniently; with a JSON `response_format` too, the answer is
+  either calls or that JSON. `none` presents no tools and parses nothing.
 """
 
 from __future__ import annotations
@@ -112,10 +112,10 @@ def plan_answer(
     elif choice == "required":
         forced = tools
     plan = ToolPlan(dialect, native, tuple(tools), forced is not None, parallel)
-    if forced is not None:
-        fmt = calls_format(dialect, forced, parallel)
+    if forced is not None:  # a named function is called once
+        fmt = calls_format(dialect, forced, parallel and choice == "required")
     elif schema is not None:
-        answer = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+        answer = {"type": "json_schema", "json_schema": schema}
         fmt = {"type": "or", "elements": [answer, calls_format(dialect, tools, parallel)]}
     else:
         return plan, None

@@ -76,12 +76,12 @@ def dialect_for(chat_template: str | None) -> tuple[ToolDialect, bool]:
 
 def calls_format(dialect: ToolDialect, tools: list[FunctionTool], parallel: bool) -> dict[str, Any]:
     """A structural-tag format that matches one call (or, with `parallel`, several) to `tools`
-    and nothing else. Whitespace inside arguments is capped so a small model cannot wander."""
+    and nothing else."""
     tags = [
         {
             "type": "tag",
             "begin": dialect.head(tool.name),
-            "content": {"type": "json_schema", "json_schema": tool.schema, "max_whitespace_cnt": 1},
+            "content": {"type": "json_schema", "json_schema": tool.schema},
             "end": "}" + dialect.suffix,
         }
         for tool in tools
