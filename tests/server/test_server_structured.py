@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable
 from typing import Any, Literal
 
 import httpx
@@ -17,7 +16,6 @@ import pytest
 from batch_helpers import chat_line, read_lines, submit_batch, wait_batch
 from pydantic import BaseModel, Field
 from server_harness import LiveServer, wait_pool_whole
-from server_tiny_model import build_tiny_model
 
 ASK = [{"role": "user", "content": "Tell me about a person."}]
 
@@ -57,17 +55,13 @@ GREEDY: dict[str, Any] = {"temperature": 0, "max_tokens": 160}
 
 
 @pytest.fixture(scope="module")
-def server(
-    start_server: Callable[..., LiveServer], tmp_path_factory: pytest.TempPathFactory
-) -> LiveServer:
-    """The tiny model with room for prompts that present tools (4,096 positions)."""
-    model = build_tiny_model(tmp_path_factory.mktemp("tiny-long"), max_positions=4096)
-    return start_server(engine={"model": str(model)})
+def server(tools_server: LiveServer) -> LiveServer:
+    return tools_server
 
 
 @pytest.fixture(scope="module")
-def client(server: LiveServer) -> openai.OpenAI:
-    return server.client()
+def client(tools_server: LiveServer) -> openai.OpenAI:
+    return tools_server.client()
 
 
 def _schema(tool: Any) -> dict[str, Any]:
