@@ -111,6 +111,7 @@ class ToolCallParser:
     _buf: str = ""
     _in_call: bool = False
     _ws: str = ""  # trailing whitespace held back
+    _after_call: bool = False  # nothing but whitespace since the last call
     _open: _Open | None = None
 
     def feed(self, delta: str) -> list[Event]:
@@ -123,12 +124,15 @@ class ToolCallParser:
     # -- text ---------------------------------------------------------------------------
     def _emit_text(self, events: list[Event], text: str, *, hold_ws: bool) -> None:
         text, self._ws = self._ws + text, ""
+        if self._after_call:  # text after a call starts at its first visible character
+            text = text.lstrip()
         if hold_ws:
             kept = text.rstrip()
             self._ws, text = text[len(kept) :], kept
         if text:
             events.append(TextDelta(text))
             self.text += text
+            self._after_call = False
 
     def _scan(self, final: bool) -> list[Event]:
         events: list[Event] = []
@@ -206,6 +210,7 @@ class ToolCallParser:
             events.append(CallEnd(index))
         self._buf = rest
         self._in_call = False
+        self._after_call = True
         return True
 
     def _call(self, events: list[Event], final: bool) -> bool:
@@ -233,7 +238,7 @@ class ToolCallParser:
                     events.append(
                         ArgsDelta(len(self.calls), args[opened.args_sent - opened.args_start :])
                     )
-                opened.call.arguments = args
+                opened.call.arguments, opened.call.complete = args, True
                 return self._close(events, opened.call, rest)
             return self._close(events, ToolCall(self.new_id(), name, args), rest)
         if self.stream_arguments:
