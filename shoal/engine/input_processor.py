@@ -39,6 +39,9 @@ def longest_token_bytes(tokenizer: Any) -> int:
 class GrammarSource(Protocol):
     """What makes a constrained request's matcher (`engine/structured.Grammars`)."""
 
+    hits: int  # compiles found in its cache
+    misses: int
+
     def compile(self, spec: StructuredOutput) -> Any: ...
 
     def state_for(self, spec: StructuredOutput) -> Any: ...

@@ -186,6 +186,7 @@ class Engine:
         return self.sessions.info_of(session_id)
 
     def stats(self) -> EngineStats:
+        grammars = self.inputs.grammars
         return EngineStats.collect(
             self.kv,
             self.sessions,
@@ -195,4 +196,6 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
+            grammar_cache_hits=grammars.hits if grammars else 0,
+            grammar_cache_misses=grammars.misses if grammars else 0,
         )

@@ -43,6 +43,10 @@ class EngineStats:
         "gauge", "Median session restore (disk read, validation, copy into the pool), ms."
     )
     restore_latency_p95_ms: float = _stat("gauge", "95th percentile session restore, ms.")
+    grammar_cache_hits: int = _stat(
+        "counter", "Structured-output constraints found compiled in the grammar cache."
+    )
+    grammar_cache_misses: int = _stat("counter", "Structured-output constraints compiled.")
 
     @classmethod
     def collect(
@@ -56,6 +60,8 @@ class EngineStats:
         num_waiting: int,
         num_preemptions: int,
         num_generated_tokens: int,
+        grammar_cache_hits: int = 0,
+        grammar_cache_misses: int = 0,
     ) -> EngineStats:
         """The snapshot of any backend: its own counters plus what the shared pool, KV manager
         and session manager know, read the same way for each."""
@@ -80,4 +86,6 @@ class EngineStats:
             disk_writes=ss.disk_writes,
             restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
             restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
+            grammar_cache_hits=grammar_cache_hits,
+            grammar_cache_misses=grammar_cache_misses,
         )

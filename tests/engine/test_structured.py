@@ -184,11 +184,9 @@ def test_chunked_prefill_and_sessions(tiny_chat_model: Path) -> None:
 
 def test_compiled_once_per_spec(tiny_chat_model: Path) -> None:
     llm = _llm(tiny_chat_model)
-    grammars = llm.engine.inputs.grammars
-    assert grammars is not None
-    before = (grammars.hits, grammars.misses)
     llm.generate(PROMPTS, [_greedy(StructuredOutput(json=PERSON))] * 4, use_tqdm=False)
-    assert (grammars.hits - before[0], grammars.misses - before[1]) == (3, 1)
+    stats = llm.engine.stats()
+    assert (stats.grammar_cache_hits, stats.grammar_cache_misses) == (3, 1)
 
 
 def test_logprobs_are_the_models_own(tiny_chat_model: Path) -> None:

@@ -277,3 +277,6 @@ def test_batch_lines_take_the_same_params(client: openai.OpenAI, server: LiveSer
     (call,) = results["tool"]["response"]["body"]["choices"][0]["message"]["tool_calls"]
     jsonschema.validate(json.loads(call["function"]["arguments"]), _schema(ADD))
     assert results["bad"]["response"]["status_code"] == 400
+    metrics = httpx.get(f"{server.url}/metrics").text
+    assert "shoal_grammar_cache_hits_total" in metrics
+    assert "shoal_grammar_cache_misses_total" in metrics
