@@ -129,24 +129,27 @@ def tool_finish(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
 
 
 def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a whole answer, and its finish reason."""
+    """The assistant message of a whole answer, and its finish reason. A call that
+    `max_tokens` cut short is left out (the finish reason `length` says the answer is
+    incomplete): its arguments are not JSON, and no caller could run it."""
     if tools is None:
         return {"role": "assistant", "content": out.text, "refusal": None}, out.finish_reason
     reader = tools.parser()
     reader.feed(out.text)
     reader.finish()
-    content = reader.text if reader.text or not reader.calls else None
+    calls = [c for c in reader.calls if c.complete]
+    content = reader.text if reader.text or not calls else None
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
-    if reader.calls:
+    if calls:
         message["tool_calls"] = [
             {
                 "id": c.id,
                 "type": "function",
                 "function": {"name": c.name, "arguments": c.arguments},
             }
-            for c in reader.calls
+            for c in calls
         ]
-    return message, tool_finish(out.finish_reason, reader.calls)
+    return message, tool_finish(out.finish_reason, calls)
 
 
 def chat_delta(
