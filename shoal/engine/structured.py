@@ -23,6 +23,7 @@ import re
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -103,8 +104,15 @@ class GrammarState:
         return self.rejected or bool(self.matcher.is_terminated())
 
 
+@dataclass(slots=True)
+class _Entry:
+    compiled: Future[Any]  # set once, by the thread that compiles
+    used: bool = False  # a request has had a matcher of it
+
+
 class Grammars:
-    """Compiles specs for one tokenizer (cached) and masks logits for constrained rows."""
+    """Compiles specs for one tokenizer (cached) and masks logits for constrained rows.
+    `misses` counts compiles, `hits` requests served by a grammar compiled before them."""
 
     def __init__(
         self,
@@ -120,15 +128,10 @@ class Grammars:
         self.hits = 0
         self.misses = 0
         self._lock = threading.Lock()
-        self._cache: OrderedDict[tuple[str, str], Future[Any]] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, step thread only
         self._bitmask: torch.Tensor | None = None
-
-    @property
-    def hit_rate(self) -> float:
-        total = self.hits + self.misses
-        return self.hits / total if total else 0.0
 
     def _xgrammar_compiler(self) -> Any:
         """Built on first use: reading a 49k vocabulary takes a fraction of a second, which
@@ -167,39 +170,46 @@ class Grammars:
             return compiler.compile_grammar(text)
         return compiler.compile_structural_tag(json.dumps(_compact(json.loads(text))))
 
-    def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of `spec`, from the cache or built now (any thread but the step
-        thread). Raises `InvalidRequestError` with the library's reason when it cannot compile."""
+    def _entry(self, spec: StructuredOutput) -> _Entry:
         key = spec.key
         with self._lock:
-            future = self._cache.get(key)
-            if future is not None:
+            entry = self._cache.get(key)
+            if entry is not None:
                 self._cache.move_to_end(key)
-                self.hits += 1
-                owner = False
-            else:
-                future = self._cache[key] = Future()
-                self.misses += 1
-                owner = True
-                while len(self._cache) > self.max_cached:
-                    self._cache.popitem(last=False)
-        if owner:
-            try:
-                future.set_result(self._build(spec))
-            except Exception as e:
-                with self._lock:
-                    if self._cache.get(key) is future:
-                        del self._cache[key]
-                future.set_exception(
-                    InvalidRequestError(f"the {key[0]} constraint does not compile: {_message(e)}")
-                )
-        return future.result()
+                return entry
+            entry = self._cache[key] = _Entry(Future())
+            self.misses += 1
+            while len(self._cache) > self.max_cached:
+                self._cache.popitem(last=False)
+        try:
+            entry.compiled.set_result(self._build(spec))
+        except Exception as e:
+            with self._lock:
+                if self._cache.get(key) is entry:
+                    del self._cache[key]
+            entry.compiled.set_exception(
+                InvalidRequestError(f"the {key[0]} constraint does not compile: {_message(e)}")
+            )
+        return entry
+
+    def compile(self, spec: StructuredOutput) -> Any:
+        """The compiled grammar of `spec`, from the cache or built now (any thread but the step
+        thread). Raises `InvalidRequestError` with the library's reason when it cannot compile.
+        Another thread compiling the same spec is waited for, not repeated."""
+        return self._entry(spec).compiled.result()
 
     def state_for(self, spec: StructuredOutput) -> GrammarState:
-        """A fresh matcher for one request (compiling `spec` if it is new)."""
+        """A fresh matcher for one request (compiling `spec` if it is new). A request counts as
+        a cache hit when an earlier request already used the grammar, so compiling ahead
+        (`compile`, for the same request) is not a hit."""
         import xgrammar as xgr
 
-        return GrammarState(self, xgr.GrammarMatcher(self.compile(spec)))
+        entry = self._entry(spec)
+        compiled = entry.compiled.result()
+        with self._lock:
+            self.hits += entry.used
+            entry.used = True
+        return GrammarState(self, xgr.GrammarMatcher(compiled))
 
     # -- the step thread ------------------------------------------------------------------
     def mask(self, logits: torch.Tensor, states: list[GrammarState], rows: list[int]) -> None:

@@ -187,6 +187,12 @@ def test_compiled_once_per_spec(tiny_chat_model: Path) -> None:
     llm.generate(PROMPTS, [_greedy(StructuredOutput(json=PERSON))] * 4, use_tqdm=False)
     stats = llm.engine.stats()
     assert (stats.grammar_cache_hits, stats.grammar_cache_misses) == (3, 1)
+    # Compiling ahead for a request (as the server does, off its event loop) is no hit.
+    choice = StructuredOutput(choice=["a", "b"])
+    llm.engine.check_structured(choice)
+    llm.generate("Hi", _greedy(choice), use_tqdm=False)
+    stats = llm.engine.stats()
+    assert (stats.grammar_cache_hits, stats.grammar_cache_misses) == (3, 2)
 
 
 def test_logprobs_are_the_models_own(tiny_chat_model: Path) -> None:
