@@ -125,7 +125,8 @@ def completion_body(
 
 def tool_finish(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
     """An answer that ended on its own after making calls finished to have them run."""
-    return "tool_calls" if calls and finish_reason == "stop" else finish_reason
+    made = any(c.complete for c in calls)
+    return "tool_calls" if made and finish_reason == "stop" else finish_reason
 
 
 def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
