@@ -106,13 +106,13 @@ class ToolCallParser:
     new_id: Callable[[], str]
     stream_arguments: bool = False
     max_calls: int | None = None  # 1 without parallel tool calls; later calls are dropped
-    calls: list[ToolCall] = field(default_factory=list)
-    text: str = ""  # all text emitted so far
-    _buf: str = ""
-    _in_call: bool = False
-    _ws: str = ""  # trailing whitespace held back
-    _after_call: bool = False  # nothing but whitespace since the last call
-    _open: _Open | None = None
+    calls: list[ToolCall] = field(default_factory=list, init=False)
+    text: str = field(default="", init=False)  # all text emitted so far
+    _buf: str = field(default="", init=False)  # text not decided yet
+    _in_call: bool = field(default=False, init=False)  # the buffer starts with a trigger
+    _ws: str = field(default="", init=False)  # trailing whitespace held back
+    _after_call: bool = field(default=False, init=False)  # only whitespace since a call
+    _open: _Open | None = field(default=None, init=False)
 
     def feed(self, delta: str) -> list[Event]:
         self._buf += delta
