@@ -42,22 +42,32 @@ def _message(e: Exception) -> str:
 
 
 _DATA = {"enum", "const", "default", "examples"}  # values, not schemas
+INT64 = 2**63 - 1
 
 
-def _bounded_strings_as_patterns(node: Any) -> Any:
-    """xgrammar (0.2.8 still) lets a string with `minLength`/`maxLength` hold raw control
-    characters, which no JSON parser accepts, while a string with a `pattern` does not (its
-    issue 286). So such strings compile as the same bounds in a pattern: `^.{lo,hi}$`, which
-    also leaves escapes out of them. Used on schemas and on structural tags alike."""
+def _tamed(node: Any) -> Any:
+    """A schema as shoal compiles it, two bounds a small model needs that JSON Schema lacks:
+
+    - a string with `minLength`/`maxLength` becomes the same bounds in a pattern,
+      `^.{lo,hi}$` (without escapes): xgrammar (0.2.8 still, its issue 286) lets a
+      length-bounded string hold raw control characters, which no JSON parser accepts;
+    - an integer without a bound stays within 64 bits, as nearly every consumer stores it:
+      unbounded, a sampled model can write digits until `max_tokens` runs out.
+    Used on schemas and on the schemas inside structural tags alike."""
     if isinstance(node, list):
-        return [_bounded_strings_as_patterns(x) for x in node]
+        return [_tamed(x) for x in node]
     if not isinstance(node, dict):
         return node
-    out = {k: v if k in _DATA else _bounded_strings_as_patterns(v) for k, v in node.items()}
+    out = {k: v if k in _DATA else _tamed(v) for k, v in node.items()}
     if out.get("type") == "string" and not {"pattern", "format", *_DATA} & out.keys():
         lo, hi = out.pop("minLength", None), out.pop("maxLength", None)
         if lo is not None or hi is not None:
             out["pattern"] = f"^.{{{lo or 0},{'' if hi is None else hi}}}$"
+    if out.get("type") == "integer" and not _DATA & out.keys():
+        if not {"maximum", "exclusiveMaximum"} & out.keys():
+            out["maximum"] = INT64
+        if not {"minimum", "exclusiveMinimum"} & out.keys():
+            out["minimum"] = -INT64
     return out
 
 
@@ -75,7 +85,7 @@ def _compact(node: Any) -> Any:
             return node  # formats this policy does not cover compile as they are
         import xgrammar as xgr
 
-        text = json.dumps(_bounded_strings_as_patterns(schema))
+        text = json.dumps(_tamed(schema))
         grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
         return {"type": "grammar", "grammar": str(grammar)}
     return {k: _compact(v) for k, v in node.items()}
@@ -151,7 +161,7 @@ class Grammars:
         kind, text = spec.key
         if kind == "json":
             # No free whitespace: a small model can otherwise spend its budget on blanks.
-            schema = _bounded_strings_as_patterns(json.loads(text))
+            schema = _tamed(json.loads(text))
             return compiler.compile_json_schema(
                 json.dumps(schema), any_whitespace=False, strict_mode=True
             )

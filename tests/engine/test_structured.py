@@ -146,6 +146,18 @@ def test_out_of_tokens_ends_with_length_and_frees_the_matcher(tiny_chat_model: P
     assert _whole(llm)
 
 
+def test_unbounded_integers_stay_within_64_bits(tiny_chat_model: Path) -> None:
+    """Sampled, a random model would write digits until max_tokens ran out."""
+    llm = _llm(tiny_chat_model)
+    spec = StructuredOutput(json={"type": "array", "items": {"type": "integer"}, "maxItems": 2})
+    params = [
+        SamplingParams(max_tokens=96, temperature=1.0, seed=s, structured=spec) for s in range(8)
+    ]
+    for out in llm.generate(PROMPTS[:1] * 8, params, use_tqdm=False):
+        assert out.finish_reason == "stop", out.text
+        assert all(abs(n) < 2**63 for n in json.loads(out.text))
+
+
 def test_ignore_eos_still_ends_when_the_output_is_complete(tiny_chat_model: Path) -> None:
     llm = _llm(tiny_chat_model)
     (out,) = llm.generate("Hi", _greedy(SPECS[3], ignore_eos=True), use_tqdm=False)
