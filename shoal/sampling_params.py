@@ -2,9 +2,72 @@
 
 from __future__ import annotations
 
+import json as jsonlib
 from dataclasses import dataclass, field
+from typing import Any
 
 from shoal.errors import InvalidRequestError
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """What a constrained request's output must match: set exactly one field.
+
+    `json`: a JSON schema (a dict or its text); `json_object`: any JSON object; `regex`; `choice`:
+    one of these strings; `grammar`: an EBNF grammar (xgrammar's dialect, GBNF-like, rule
+    `root`); `structural_tag`: an xgrammar structural tag (how forced tool calls are built).
+    The engine compiles each distinct spec once (see `key`) and masks every token the spec
+    cannot continue with, so the output always parses; a request that runs out of
+    `max_tokens` first ends with finish reason "length".
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    structural_tag: dict[str, Any] | str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None and not isinstance(self.choice, tuple):
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [
+            name
+            for name in ("json", "regex", "choice", "grammar", "structural_tag")
+            if getattr(self, name) is not None
+        ] + (["json_object"] if self.json_object else [])
+        if len(given) != 1:
+            raise InvalidRequestError(
+                "structured output takes exactly one of json, json_object, regex, choice, "
+                f"grammar, structural_tag (got {', '.join(given) or 'none'})"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise InvalidRequestError("choice must be a non-empty list of non-empty strings")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise InvalidRequestError(f"{name} must be a non-empty string")
+        for name in ("json", "structural_tag"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict | str):
+                raise InvalidRequestError(f"{name} must be a JSON object or its text")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec text): what a compiled grammar is cached under. Dicts keep their key
+        order (a schema's property order is the order the output follows)."""
+        if self.json_object:
+            return "json_object", ""
+        if self.choice is not None:
+            return "choice", jsonlib.dumps(list(self.choice))
+        for name in ("json", "structural_tag", "regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                text = value if isinstance(value, str) else jsonlib.dumps(value)
+                return name, text
+        raise AssertionError("validated in __post_init__")
 
 
 @dataclass(slots=True)
@@ -12,7 +75,8 @@ class SamplingParams:
     """How to pick each next token and when to stop.
 
     `temperature == 0` means greedy. `logprobs=None` returns none; `logprobs=k` returns the
-    chosen token's log-probability plus the `k` most likely alternatives at each step.
+    chosen token's log-probability plus the `k` most likely alternatives at each step (from
+    the model's own distribution, before a `structured` constraint masks it).
     """
 
     max_tokens: int = 16
@@ -25,6 +89,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -48,6 +113,8 @@ class SamplingParams:
             raise bad(f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad(f"logprobs must be between 0 and 20, got {self.logprobs}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise bad("structured must be a StructuredOutput")
 
     @property
     def greedy(self) -> bool:

@@ -33,6 +33,7 @@ PURE = [
     "shoal.engine.output_processor",
     "shoal.engine.async_engine",
     "shoal.llm",
+    "shoal.tool_calls",
 ]
 CLIENTS = ["shoal.batchify", "shoal.quota"]
 

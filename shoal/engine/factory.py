@@ -23,6 +23,7 @@ from shoal.engine.scheduler import Scheduler
 from shoal.engine.session_files import KVLayout
 from shoal.engine.session_tier import SessionTier
 from shoal.engine.sessions import SessionManager
+from shoal.engine.structured import Grammars
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 from shoal.models.loader import DTYPES, load_model
@@ -88,6 +89,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks,
             config.block_size,
             seeded=lambda seed: torch.Generator(config.device).manual_seed(seed),
+            grammars=Grammars(loaded.tokenizer, cfg.vocab_size, list(cfg.eos_token_ids))
+            if loaded.tokenizer is not None
+            else None,
         ),
         outputs=OutputProcessor(
             Detokenizer(loaded.tokenizer), set(cfg.eos_token_ids), max_model_len

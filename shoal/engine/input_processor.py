@@ -7,13 +7,14 @@ can see it and the step loop only ever meets valid requests.
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.engine.block_pool import cdiv
 from shoal.engine.sequence import Sequence
 from shoal.errors import InvalidRequestError, PromptTooLongError
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutput
 
 MAX_SESSION_ID_LEN = 256
 
@@ -35,9 +36,21 @@ def longest_token_bytes(tokenizer: Any) -> int:
     return max((len(t.encode()) for t in tokenizer.get_vocab()), default=1)
 
 
+class GrammarSource(Protocol):
+    """What makes a constrained request's matcher (`engine/structured.Grammars`)."""
+
+    hits: int  # compiles found in its cache
+    misses: int
+
+    def compile(self, spec: StructuredOutput) -> Any: ...
+
+    def state_for(self, spec: StructuredOutput) -> Any: ...
+
+
 class InputProcessor:
     """`seeded(seed)` makes a seeded request's random state in its backend's terms (a
-    `torch.Generator`, an MLX key); it lands in `Sequence.generator`."""
+    `torch.Generator`, an MLX key); it lands in `Sequence.generator`. `grammars` compiles
+    structured-output constraints; a backend without one refuses them."""
 
     def __init__(
         self,
@@ -47,6 +60,7 @@ class InputProcessor:
         num_blocks: int,
         block_size: int,
         seeded: Callable[[int], Any],
+        grammars: GrammarSource | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -54,6 +68,7 @@ class InputProcessor:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.seeded = seeded
+        self.grammars = grammars
         self._ids = itertools.count()
         self.max_prompt_bytes = (
             max_model_len * longest_token_bytes(tokenizer) if tokenizer is not None else 0
@@ -79,18 +94,39 @@ class InputProcessor:
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
         """The prompt ids for a conversation, ending where the assistant's reply begins.
 
+        `tools` (OpenAI-shaped function tools) go to a template that renders them itself.
         Raises `InvalidRequestError` when the model has no tokenizer or no chat template; an
         error the template itself raises (a conversation it rejects) propagates unchanged.
         """
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
-        self.check_text_length(sum(len(str(m.get("content") or "").encode()) for m in messages))
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        size = sum(len(str(m.get("content") or "").encode()) for m in messages)
+        self.check_text_length(size + (len(json.dumps(tools).encode()) if tools else 0))
+        extra = {"tools": tools} if tools else {}
+        text = tok.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False, **extra
+        )
         return self.encode(text)
+
+    def _grammars(self) -> GrammarSource:
+        if self.grammars is None:
+            raise InvalidRequestError(
+                "structured outputs are not supported on this backend (use backend='torch')"
+            )
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need a model with a tokenizer")
+        return self.grammars
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile `spec` into the grammar cache now (raises `InvalidRequestError`), so that a
+        caller whose thread must not wait can do it elsewhere before `process`."""
+        self._grammars().compile(spec)
 
     def process(
         self,
@@ -128,4 +164,6 @@ class InputProcessor:
         )
         if params.seed is not None:
             seq.generator = self.seeded(params.seed)
+        if params.structured is not None:
+            seq.grammar = self._grammars().state_for(params.structured)
         return seq

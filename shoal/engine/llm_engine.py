@@ -23,7 +23,7 @@ from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
 from shoal.engine.stats import EngineStats
 from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutput
 
 
 class Engine:
@@ -58,8 +58,14 @@ class Engine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.inputs.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.inputs.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.inputs.apply_chat_template(messages, tools)
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        """Compile a structured-output spec into the cache (any thread); see `InputProcessor`."""
+        self.inputs.check_structured(spec)
 
     def add_request(
         self,
@@ -139,6 +145,7 @@ class Engine:
 
     def _retire(self, seq: Sequence) -> RequestOutput:
         self._requests.pop(seq.request_id)
+        seq.grammar = None  # its matcher goes with it
         return OutputProcessor.snapshot(seq)
 
     def _save_if_closing(self) -> None:
@@ -179,6 +186,7 @@ class Engine:
         return self.sessions.info_of(session_id)
 
     def stats(self) -> EngineStats:
+        grammars = self.inputs.grammars
         return EngineStats.collect(
             self.kv,
             self.sessions,
@@ -188,4 +196,6 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
+            grammar_cache_hits=grammars.hits if grammars else 0,
+            grammar_cache_misses=grammars.misses if grammars else 0,
         )

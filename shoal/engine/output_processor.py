@@ -32,6 +32,8 @@ class OutputProcessor:
         for i, seq in enumerate(seqs):
             token = sampled.token_ids[i]
             seq.output_token_ids.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)  # the matcher follows output_token_ids exactly
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if sampled.logprobs is not None and sampled.top_logprobs is not None:
@@ -48,6 +50,8 @@ class OutputProcessor:
         p = seq.params
         if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
             return "stop"
+        if seq.grammar is not None and seq.grammar.finished:
+            return "stop"  # the constrained output is complete (even with ignore_eos)
         if seq.num_output_tokens >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None

@@ -16,7 +16,7 @@ from shoal.engine.block_pool import BlockPool
 from shoal.engine.sessions import SessionInfo, SessionManager
 from shoal.engine.stats import EngineStats
 from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutput
 
 
 class EngineProtocol(Protocol):
@@ -31,7 +31,12 @@ class EngineProtocol(Protocol):
     # Any thread: validate (typed errors) and queue; abort by id.
     def encode(self, prompt: str | list[int]) -> list[int]: ...
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]: ...
+
+    # Compile a structured-output spec into the engine's cache, or raise InvalidRequestError.
+    def check_structured(self, spec: StructuredOutput) -> None: ...
 
     def add_request(
         self,

@@ -1,4 +1,5 @@
-"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds."""
+"""Turning logits into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds,
+and grammar masks for constrained requests."""
 
 from __future__ import annotations
 
@@ -25,18 +26,29 @@ def _filter(logits: torch.Tensor, seq: Sequence) -> torch.Tensor:
     return probs
 
 
+def _constrain(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Mask, in place, what each constrained row's grammar forbids; other rows are untouched."""
+    rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+    if rows:
+        states = [seqs[i].grammar for i in rows]
+        states[0].grammars.mask(logits, states, rows)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     """One token per row. A seeded request draws from its own generator, so its output does
-    not depend on what else shares the batch."""
+    not depend on what else shares the batch. Log-probabilities are the model's own, taken
+    before grammar masks."""
+    want_logprobs = any(s.params.logprobs is not None for s in seqs)
+    logprobs = torch.log_softmax(logits.float(), dim=-1) if want_logprobs else None
+    _constrain(logits, seqs)
     tokens = logits.argmax(dim=-1)
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             probs = _filter(logits[i].float(), seq)
             tokens[i] = torch.multinomial(probs, 1, generator=seq.generator)[0]
     token_ids = tokens.tolist()
-    if all(s.params.logprobs is None for s in seqs):
+    if logprobs is None:
         return Sampled(token_ids, None, None)
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
     chosen = logprobs.gather(1, tokens[:, None]).squeeze(1).tolist()
     top: list[dict[int, float]] = []
     for i, seq in enumerate(seqs):

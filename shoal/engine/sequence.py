@@ -45,6 +45,9 @@ class Sequence:
     first_token_time: float | None = None
     # A seeded torch.Generator lives here untyped so this module stays free of torch.
     generator: Any = None
+    # A constrained request's grammar matcher (`engine/structured.GrammarState`), untyped for
+    # the same reason: it has accepted exactly `output_token_ids`. Dropped when it finishes.
+    grammar: Any = None
     text: str = ""  # released text: final, never taken back
     # Incremental detokenization: `decoded` is the text of output tokens [0, read_offset);
     # the window from `prefix_offset` gives the next token's text its context.

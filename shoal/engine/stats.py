@@ -51,6 +51,10 @@ class EngineStats:
         "gauge", "95th percentile lag from a turn's end to its durable tier copy, ms."
     )
     tier_lag_max_ms: float = _stat("gauge", "Longest lag to a durable tier copy so far, ms.")
+    grammar_cache_hits: int = _stat(
+        "counter", "Structured-output constraints found compiled in the grammar cache."
+    )
+    grammar_cache_misses: int = _stat("counter", "Structured-output constraints compiled.")
 
     @classmethod
     def collect(
@@ -64,6 +68,8 @@ class EngineStats:
         num_waiting: int,
         num_preemptions: int,
         num_generated_tokens: int,
+        grammar_cache_hits: int = 0,
+        grammar_cache_misses: int = 0,
     ) -> EngineStats:
         """The snapshot of any backend: its own counters plus what the shared pool, KV manager
         and session manager know, read the same way for each."""
@@ -89,6 +95,8 @@ class EngineStats:
             restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
             restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
             **_tier_stats(sessions),
+            grammar_cache_hits=grammar_cache_hits,
+            grammar_cache_misses=grammar_cache_misses,
         )
 
 

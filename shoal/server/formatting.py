@@ -7,9 +7,13 @@ chunks and Batch API objects are built the same way in one place.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.outputs import RequestOutput
+from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta, ToolCall, ToolCallParser
+
+if TYPE_CHECKING:
+    from shoal.server.structured import ToolPlan
 
 
 def _token_text(tokenizer: Any, token_id: int) -> str:
@@ -119,18 +123,82 @@ def completion_body(
     return _envelope(rid, "text_completion", created, model, choices, usage=usage(outs, n))
 
 
+def tool_finish(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
+    """An answer that ended on its own after making calls finished to have them run."""
+    made = any(c.complete for c in calls)
+    return "tool_calls" if made and finish_reason == "stop" else finish_reason
+
+
+def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a whole answer, and its finish reason. A call that
+    `max_tokens` cut short is left out (the finish reason `length` says the answer is
+    incomplete): its arguments are not JSON, and no caller could run it."""
+    if tools is None:
+        return {"role": "assistant", "content": out.text, "refusal": None}, out.finish_reason
+    reader = tools.parser()
+    reader.feed(out.text)
+    reader.finish()
+    calls = [c for c in reader.calls if c.complete]
+    content = reader.text if reader.text or not calls else None
+    message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
+    if calls:
+        message["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": "function",
+                "function": {"name": c.name, "arguments": c.arguments},
+            }
+            for c in calls
+        ]
+    return message, tool_finish(out.finish_reason, calls)
+
+
+def chat_delta(
+    reader: ToolCallParser | None, text: str, out: RequestOutput
+) -> tuple[dict[str, Any], str | None]:
+    """A stream chunk's delta for newly released `text` (and the finish reason when `out`
+    is finished): content, and `tool_calls` entries (id and name first, then arguments)."""
+    if reader is None:
+        return ({"content": text} if text else {}), out.finish_reason
+    events: list[Event] = reader.feed(text)
+    if out.finished:
+        events += reader.finish()
+    delta: dict[str, Any] = {}
+    calls: dict[int, dict[str, Any]] = {}
+    for e in events:
+        if isinstance(e, TextDelta):
+            delta["content"] = delta.get("content", "") + e.text
+        elif isinstance(e, CallStart):
+            fn = {"name": e.name, "arguments": ""}
+            calls[e.index] = {"index": e.index, "id": e.id, "type": "function", "function": fn}
+        elif isinstance(e, ArgsDelta):
+            entry = calls.setdefault(e.index, {"index": e.index, "function": {"arguments": ""}})
+            entry["function"]["arguments"] += e.text
+    if calls:
+        delta["tool_calls"] = list(calls.values())
+    return delta, tool_finish(out.finish_reason, reader.calls) if out.finished else None
+
+
 def chat_body(
-    rid: str, created: int, model: str, outs: Sequence[RequestOutput], n: int, tokenizer: Any
+    rid: str,
+    created: int,
+    model: str,
+    outs: Sequence[RequestOutput],
+    n: int,
+    tokenizer: Any,
+    tools: ToolPlan | None = None,
 ) -> dict[str, Any]:
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": o.text, "refusal": None},
-            "logprobs": chat_logprobs(tokenizer, o, 0, len(o.token_ids)),
-            "finish_reason": o.finish_reason,
-        }
-        for i, o in enumerate(outs)
-    ]
+    choices = []
+    for i, o in enumerate(outs):
+        message, finish_reason = chat_message(o, tools)
+        choices.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(tokenizer, o, 0, len(o.token_ids)),
+                "finish_reason": finish_reason,
+            }
+        )
     return _envelope(rid, "chat.completion", created, model, choices, usage=usage(outs, n))
 
 

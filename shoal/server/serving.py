@@ -17,14 +17,16 @@ from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol
-from shoal.errors import InvalidRequestError, PromptTooLongError
+from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutput
 from shoal.server import formatting as fmt
+from shoal.server.chat_prompt import chat_prompt
 from shoal.server.errors import APIError, model_not_found, to_api_error
 from shoal.server.ids import new_id
 from shoal.server.metrics import ServerMetrics
 from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
+from shoal.server.structured import ToolPlan, plan_answer
 
 Prompt = str | list[int]
 
@@ -54,6 +56,7 @@ class Prepared:
     n: int = 1  # choices per prompt; jobs are prompt-major
     include_usage: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    tools: ToolPlan | None = None  # how to read tool calls out of each answer
 
 
 def _check_common(srv: Serving, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -65,7 +68,11 @@ def _check_common(srv: Serving, req: CompletionRequest | ChatCompletionRequest) 
 
 
 def _params(
-    req: CompletionRequest | ChatCompletionRequest, max_tokens: int, logprobs: int | None, j: int
+    req: CompletionRequest | ChatCompletionRequest,
+    max_tokens: int,
+    logprobs: int | None,
+    j: int,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     seed = req.seed
     if seed is not None and j:
@@ -80,6 +87,7 @@ def _params(
         stop=req.stop,
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        structured=structured,
     )
 
 
@@ -141,38 +149,6 @@ async def prepare_completion(
     return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
-def chat_prompt(srv: Serving, req: ChatCompletionRequest) -> list[int]:
-    messages: list[dict[str, Any]] = []
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, list):
-            texts = []
-            for part in m.content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"unsupported content part type {part.type!r}",
-                        param=f"messages.{i}.content",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
-        else:
-            content = m.content or ""
-        msg: dict[str, Any] = {"role": m.role, "content": content}
-        if m.name:
-            msg["name"] = m.name
-        messages.append(msg)
-    try:
-        return srv.engine.apply_chat_template(messages)
-    except PromptTooLongError as e:
-        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
-    except InvalidRequestError as e:  # no tokenizer or no chat template
-        raise APIError(400, f"{e}: use /v1/completions") from e
-    except Exception as e:  # the template itself rejected the conversation
-        raise APIError(
-            400, f"the chat template rejected the messages: {e}", param="messages"
-        ) from e
-
-
 async def prepare_chat(
     srv: Serving,
     req: ChatCompletionRequest,
@@ -181,24 +157,32 @@ async def prepare_chat(
     session_id: str | None = None,
 ) -> Prepared:
     _check_common(srv, req)
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400, "only response_format type 'text' is supported", param="response_format"
-        )
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    ids = await asyncio.to_thread(chat_prompt, srv, req)  # templating and tokenizing
+    plan, structured = plan_answer(req, getattr(srv.engine.tokenizer, "chat_template", None))
+
+    def work() -> list[int]:  # templating, tokenizing and compiling a grammar: off the loop
+        ids = chat_prompt(srv.engine, req, plan)
+        if structured is not None:
+            try:
+                srv.engine.check_structured(structured)
+            except InvalidRequestError as e:
+                param = "tools" if plan is not None and plan.forced else "response_format"
+                raise APIError(400, f"{param}: {e}", param=param) from e
+        return ids
+
+    ids = await asyncio.to_thread(work)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, srv.engine.max_model_len - len(ids))
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     n = req.n or 1
     jobs: list[tuple[Prompt, SamplingParams]] = [
-        (ids, _params(req, max_tokens, logprobs, j)) for j in range(n)
+        (ids, _params(req, max_tokens, logprobs, j, structured)) for j in range(n)
     ]
-    return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
+    prep = _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
+    prep.tools = plan
+    return prep
 
 
 async def _one(srv: Serving, prep: Prepared, i: int) -> AsyncGenerator[RequestOutput]:
@@ -280,8 +264,13 @@ async def respond(srv: Serving, prep: Prepared) -> dict[str, Any]:
     outs = [o for o in finals if o is not None]
     if len(outs) != len(finals) or any(o.finish_reason == "abort" for o in outs):
         raise APIError(503, "the request was aborted (the server is shutting down)")
-    build = fmt.chat_body if prep.chat else fmt.completion_body
-    return build(prep.rid, prep.created, prep.model, outs, prep.n, srv.engine.tokenizer)
+    if prep.chat:
+        return fmt.chat_body(
+            prep.rid, prep.created, prep.model, outs, prep.n, srv.engine.tokenizer, prep.tools
+        )
+    return fmt.completion_body(
+        prep.rid, prep.created, prep.model, outs, prep.n, srv.engine.tokenizer
+    )
 
 
 def _sse(obj: dict[str, Any] | str) -> bytes:
@@ -321,19 +310,26 @@ async def stream_sse(
     chunk = fmt.chat_chunk if prep.chat else fmt.completion_chunk
     rid, created, model = prep.rid, prep.created, prep.model
 
+    readers = [prep.tools.parser() if prep.tools else None for _ in range(k)]
+
     def choice(i: int, out: RequestOutput) -> dict[str, Any] | None:
         delta = out.text[text_sent[i] :]
         start, end = toks_sent[i], len(out.token_ids)
-        if not delta and not out.finished and (end == start or out.logprobs is None):
-            return None
         if prep.chat:
+            message, finish = fmt.chat_delta(readers[i], delta, out)
+            if not message and not out.finished and (end == start or out.logprobs is None):
+                text_sent[i] += len(delta)
+                return None
             lp = fmt.chat_logprobs(tok, out, start, end) if end > start else None
-            c: dict[str, Any] = {"index": i, "delta": {"content": delta} if delta else {}}
+            c: dict[str, Any] = {"index": i, "delta": message}
         else:
+            if not delta and not out.finished and (end == start or out.logprobs is None):
+                return None
             lp = fmt.completion_logprobs(tok, out, start, end, text_sent[i])
             c = {"index": i, "text": delta}
+            finish = out.finish_reason
         c["logprobs"] = lp
-        c["finish_reason"] = out.finish_reason
+        c["finish_reason"] = finish
         text_sent[i] += len(delta)
         toks_sent[i] = end
         return c

@@ -113,6 +113,15 @@ def client(server: LiveServer) -> openai.OpenAI:
     return server.client()
 
 
+@pytest.fixture(scope="session")
+def tools_server(
+    start_server: Callable[..., LiveServer], tmp_path_factory: pytest.TempPathFactory
+) -> LiveServer:
+    """The tiny model with room for prompts that present tools (4,096 positions)."""
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny-long-model"), max_positions=4096)
+    return start_server(engine={"model": str(model)})
+
+
 @pytest.fixture
 def spawn_command(tmp_path: Path) -> Iterator[Callable[..., SpawnedServer]]:
     """`spawn_command(lambda port: [...argv...])`: a server process on a free port, ready."""

@@ -18,8 +18,9 @@ SENTENCES = [
 VOCAB = 320
 
 
-def build_tiny_model(path: Path) -> Path:
-    """Write config, random weights and tokenizer into `path` (idempotent)."""
+def build_tiny_model(path: Path, max_positions: int = 512) -> Path:
+    """Write config, random weights and tokenizer into `path` (idempotent). Prompts that
+    present tools need a longer context than the default."""
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
     import torch
@@ -49,7 +50,7 @@ def build_tiny_model(path: Path) -> Path:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=512,
+        max_position_embeddings=max_positions,
         eos_token_id=hf_tok.eos_token_id,
         bos_token_id=hf_tok.bos_token_id,
         tie_word_embeddings=False,

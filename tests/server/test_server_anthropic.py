@@ -91,10 +91,10 @@ def test_errors_are_anthropic_objects(claude: anthropic.Anthropic, server: LiveS
     r = httpx.post(f"{server.url}/v1/messages", json={"model": server.model}, timeout=30)
     assert r.status_code == 400
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.BadRequestError, match="tools are not supported"):
+    with pytest.raises(anthropic.BadRequestError, match="server tools"):
         claude.messages.create(
             **_ask("x", server.model),
-            tools=[{"name": "t", "description": "d", "input_schema": {"type": "object"}}],
+            tools=[{"type": "web_search_20250305", "name": "web_search"}],
         )
 
 

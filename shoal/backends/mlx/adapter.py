@@ -34,7 +34,7 @@ from shoal.engine.sessions import SessionInfo
 from shoal.engine.stats import EngineStats
 from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
-from shoal.sampling_params import SamplingParams
+from shoal.sampling_params import SamplingParams, StructuredOutput
 
 
 class MLXEngine:
@@ -77,8 +77,13 @@ class MLXEngine:
     def encode(self, prompt: str | list[int]) -> list[int]:
         return self.core.inputs.encode(prompt)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.core.inputs.apply_chat_template(messages)
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        return self.core.inputs.apply_chat_template(messages, tools)
+
+    def check_structured(self, spec: StructuredOutput) -> None:
+        self.core.inputs.check_structured(spec)  # refused: this backend has no grammars
 
     def add_request(
         self,

@@ -10,8 +10,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-# Engine finish reasons; a stop sequence also ends as "stop", so it reads as end_turn.
-STOP_REASONS = {"stop": "end_turn", "length": "max_tokens"}
+# Finish reasons; a stop sequence also ends as "stop", so it reads as end_turn.
+STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -33,19 +33,48 @@ def error_body(status: int, message: str) -> dict[str, Any]:
     return {"type": "error", "error": {"type": kind, "message": message}}
 
 
+def stop_reason(finish_reason: str | None) -> str:
+    return STOP_REASONS.get(finish_reason or "stop", "end_turn")
+
+
 def message(
-    rid: str, model: str, text: str, finish_reason: str | None, usage: dict[str, int]
+    rid: str,
+    model: str,
+    content: list[dict[str, Any]],
+    finish_reason: str | None,
+    usage: dict[str, int],
 ) -> dict[str, Any]:
     return {
         "id": rid,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": text}],
-        "stop_reason": STOP_REASONS.get(finish_reason or "stop", "end_turn"),
+        "content": content,
+        "stop_reason": stop_reason(finish_reason),
         "stop_sequence": None,
         "usage": usage,
     }
+
+
+def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Anthropic content blocks: text, then tool_use."""
+    blocks: list[dict[str, Any]] = []
+    if message.get("content") or not message.get("tool_calls"):
+        blocks.append({"type": "text", "text": message.get("content") or ""})
+    for call in message.get("tool_calls") or []:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except ValueError:  # cut short by max_tokens
+            arguments = {}
+        blocks.append(
+            {
+                "type": "tool_use",
+                "id": call["id"],
+                "name": call["function"]["name"],
+                "input": arguments if isinstance(arguments, dict) else {},
+            }
+        )
+    return blocks
 
 
 def message_from_chat(rid: str, chat: dict[str, Any]) -> dict[str, Any]:
@@ -53,7 +82,7 @@ def message_from_chat(rid: str, chat: dict[str, Any]) -> dict[str, Any]:
     return message(
         rid,
         chat["model"],
-        choice["message"]["content"] or "",
+        content_blocks(choice["message"]),
         choice["finish_reason"],
         {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
     )

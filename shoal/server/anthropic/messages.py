@@ -1,13 +1,17 @@
 """`POST /v1/messages`, and the same answer for a message batch line.
 
-A Messages request becomes a chat request (system blocks first, text blocks joined) and runs
-through the shared `prepare_chat` / `respond` / `start_stream` path: one engine path for both
-APIs. Streams use Anthropic's event types: message_start, content_block_start, ping,
-content_block_delta..., content_block_stop, message_delta, message_stop.
+A Messages request becomes a chat request (system blocks first, text blocks joined, tool use
+translated by `tools`) and runs through the shared `prepare_chat` / `respond` / `start_stream`
+path: one engine path for both APIs. Streams use Anthropic's event types: message_start,
+content_block_start, ping, content_block_delta (text_delta, or input_json_delta for a
+tool_use block)..., content_block_stop, message_delta, message_stop.
+`POST /v1/messages/count_tokens` builds the same prompt and counts it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Annotated, Any
 
@@ -17,44 +21,43 @@ from pydantic import ValidationError
 
 from shoal.outputs import RequestOutput
 from shoal.server.anthropic import formatting as fmt
-from shoal.server.anthropic.protocol import ContentBlock, MessagesRequest
-from shoal.server.errors import APIError, to_api_error
+from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from shoal.server.anthropic.tools import chat_messages, tool_fields
+from shoal.server.chat_prompt import chat_prompt
+from shoal.server.errors import APIError, model_not_found, to_api_error
+from shoal.server.formatting import tool_finish
 from shoal.server.ids import new_id
 from shoal.server.protocol import ChatCompletionRequest
 from shoal.server.routes import SessionHeader, SSEResponse, unless_disconnected
 from shoal.server.serving import Prepared, Serving, prepare_chat, respond, start_stream
 from shoal.server.state import ServerState, get_state
+from shoal.server.structured import plan_answer
+from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
 
 
-def _content(content: str | list[ContentBlock]) -> str | list[dict[str, Any]]:
-    return content if isinstance(content, str) else [b.model_dump() for b in content]
-
-
-def to_chat(req: MessagesRequest) -> ChatCompletionRequest:
+def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that answers `req` (raises APIError for what cannot be honoured)."""
-    if req.tools:
-        raise APIError(400, "tools are not supported", param="tools")
     if req.thinking and req.thinking.get("type") != "disabled":
         raise APIError(400, "extended thinking is not supported", param="thinking")
     messages: list[dict[str, Any]] = []
     if req.system:
-        system = _content(req.system)
+        system = req.system
         if isinstance(system, list):  # system blocks are text; join them
-            system = "".join(str(b.get("text") or "") for b in system)
+            system = "".join(b.text or "" for b in system)
         messages.append({"role": "system", "content": system})
-    messages += [{"role": m.role, "content": _content(m.content)} for m in req.messages]
-    body: dict[str, Any] = {
-        "model": req.model,
-        "messages": messages,
-        "max_tokens": req.max_tokens,
-        "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
-        "stop": req.stop_sequences or None,
-    }
+    messages += chat_messages(req.messages)
+    body: dict[str, Any] = {"model": req.model, "messages": messages, **tool_fields(req)}
+    if isinstance(req, MessagesRequest):
+        body.update(
+            max_tokens=req.max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=req.top_p,
+            top_k=req.top_k,
+            stop=req.stop_sequences or None,
+        )
     try:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
@@ -67,6 +70,8 @@ async def prepare(
 ) -> Prepared:
     prep = await prepare_chat(srv, to_chat(req), priority=priority, session_id=session_id)
     prep.rid = new_id("msg_")
+    if prep.tools is not None:
+        prep.tools = dataclasses.replace(prep.tools, id_prefix="toolu_")
     return prep
 
 
@@ -91,39 +96,90 @@ async def run_line(
     return 200, msg, usage["input_tokens"], usage["output_tokens"]
 
 
+class _Blocks:
+    """Content blocks as stream events: text blocks and tool_use blocks with their
+    `input_json_delta`s, each started when its first piece comes and stopped before the next."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: str | None = None  # "text" or "tool_use"
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self.stop()
+        self.index += 1
+        self.open = block["type"]
+        return [
+            *events,
+            fmt.sse({"type": "content_block_start", "index": self.index, "content_block": block}),
+        ]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return fmt.sse({"type": "content_block_delta", "index": self.index, "delta": delta})
+
+    def stop(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        self.open = None
+        return [fmt.sse({"type": "content_block_stop", "index": self.index})]
+
+    def on(self, event: Event) -> list[bytes]:
+        if isinstance(event, TextDelta):
+            start = [] if self.open == "text" else self._start({"type": "text", "text": ""})
+            if not event.text:
+                return start
+            return [*start, self._delta({"type": "text_delta", "text": event.text})]
+        if isinstance(event, CallStart):
+            block = {"type": "tool_use", "id": event.id, "name": event.name, "input": {}}
+            return self._start(block)
+        if isinstance(event, ArgsDelta):
+            return [self._delta({"type": "input_json_delta", "partial_json": event.text})]
+        return self.stop()  # CallEnd
+
+
 async def stream_events(
     prep: Prepared,
     gen: AsyncGenerator[tuple[int, RequestOutput]],
     first: tuple[int, RequestOutput],
 ) -> AsyncIterator[bytes]:
     out = first[1]
-    start = fmt.message(prep.rid, prep.model, "", None, {})
-    start.update(content=[], stop_reason=None)
+    start = fmt.message(prep.rid, prep.model, [], None, {})
+    start["stop_reason"] = None
     start["usage"] = {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0}
     yield fmt.sse({"type": "message_start", "message": start})
-    yield fmt.sse(
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
-    )
+    blocks = _Blocks()
+    reader = prep.tools.parser() if prep.tools is not None else None
+    if reader is None:  # plain text: its one block opens at once, as Anthropic's does
+        for line in blocks.on(TextDelta("")):
+            yield line
     yield fmt.sse({"type": "ping"})
     sent = 0
     try:
         while True:
             if out.finish_reason == "abort":
                 raise APIError(503, "the request was aborted (the server is shutting down)")
-            if len(out.text) > sent:
-                delta = {"type": "text_delta", "text": out.text[sent:]}
-                yield fmt.sse({"type": "content_block_delta", "index": 0, "delta": delta})
-                sent = len(out.text)
+            text, sent = out.text[sent:], len(out.text)
+            events: list[Event] = [TextDelta(text)] if text else []
+            if reader is not None:
+                events = reader.feed(text) + (reader.finish() if out.finished else [])
+            for event in events:
+                for line in blocks.on(event):
+                    yield line
             try:
                 out = (await anext(gen))[1]
             except StopAsyncIteration:
                 break
-        stop = fmt.STOP_REASONS.get(out.finish_reason or "stop", "end_turn")
-        yield fmt.sse({"type": "content_block_stop", "index": 0})
+        if blocks.index < 0:  # nothing was said: one empty text block
+            for line in blocks.on(TextDelta("")):
+                yield line
+        for line in blocks.stop():
+            yield line
+        finish = out.finish_reason
+        if reader is not None:
+            finish = tool_finish(finish, reader.calls)
         yield fmt.sse(
             {
                 "type": "message_delta",
-                "delta": {"stop_reason": stop, "stop_sequence": None},
+                "delta": {"stop_reason": fmt.stop_reason(finish), "stop_sequence": None},
                 "usage": {"output_tokens": len(out.token_ids)},
             }
         )
@@ -133,6 +189,18 @@ async def stream_events(
         yield fmt.sse(fmt.error_body(err.status, err.message))
     finally:
         await gen.aclose()
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(state: State, req: CountTokensRequest) -> dict[str, int]:
+    """The prompt's tokens, counted exactly as `POST /v1/messages` would build it."""
+    srv = state.serving
+    chat = to_chat(req)
+    if chat.model != srv.model_name:
+        raise model_not_found(chat.model)
+    plan, _ = plan_answer(chat, getattr(srv.engine.tokenizer, "chat_template", None))
+    ids = await asyncio.to_thread(chat_prompt, srv.engine, chat, plan)
+    return {"input_tokens": len(ids)}
 
 
 @router.post("/v1/messages")

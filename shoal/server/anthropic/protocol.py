@@ -15,8 +15,16 @@ class _Open(BaseModel):
 
 
 class ContentBlock(_Open):
+    """text, tool_use (assistant) or tool_result (user); other types are refused."""
+
     type: str
     text: str | None = None
+    id: str | None = None  # tool_use
+    name: str | None = None  # tool_use
+    input: dict[str, Any] | None = None  # tool_use
+    tool_use_id: str | None = None  # tool_result
+    content: str | list[ContentBlock] | None = None  # tool_result
+    is_error: bool | None = None  # tool_result
 
 
 class MessageParam(_Open):
@@ -24,19 +32,47 @@ class MessageParam(_Open):
     content: str | list[ContentBlock]
 
 
-class MessagesRequest(_Open):
+class ToolParam(_Open):
+    """A client tool; server tools (a `type` other than custom) are refused."""
+
+    name: str = Field(..., pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    input_schema: dict[str, Any] | None = None  # required of client tools
+    type: str | None = None
+
+
+class ToolChoice(_Open):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None  # type "tool"
+    disable_parallel_tool_use: bool | None = None
+
+
+class _Prompt(_Open):
+    """What a prompt is built from, besides the model and the messages."""
+
+    system: str | list[ContentBlock] | None = None
+    tools: list[ToolParam] | None = Field(None, max_length=128)
+    tool_choice: ToolChoice | None = None
+    thinking: dict[str, Any] | None = None
+
+
+class CountTokensRequest(_Prompt):
+    """`POST /v1/messages/count_tokens`: what a Messages request's prompt holds."""
+
+    model: str
+    messages: list[MessageParam] = Field(..., min_length=1)
+
+
+class MessagesRequest(_Prompt):
     model: str
     max_tokens: int = Field(..., ge=1)
     messages: list[MessageParam] = Field(..., min_length=1)
-    system: str | list[ContentBlock] | None = None
     temperature: float | None = Field(None, ge=0.0, le=1.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    thinking: dict[str, Any] | None = None
 
 
 class BatchItem(_Open):

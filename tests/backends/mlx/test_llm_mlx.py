@@ -17,6 +17,7 @@ from shoal import LLM, SamplingParams
 from shoal.backends.mlx import BlockPoolBatchEngine
 from shoal.engine.block_pool import BlockPool
 from shoal.errors import InvalidRequestError
+from shoal.sampling_params import StructuredOutput
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 NUM_BLOCKS = 128
@@ -125,6 +126,11 @@ def test_invalid_requests_raise_typed_errors(llm: LLM) -> None:
         LLM(llm.engine.config.model, backend="mlx", dtype="float16")
     with pytest.raises(InvalidRequestError, match="backend"):
         LLM(backend="tpu")
+    choice = StructuredOutput(choice=["yes", "no"])
+    with pytest.raises(InvalidRequestError, match="not supported on this backend"):
+        llm.generate("hi", SamplingParams(max_tokens=4, structured=choice))
+    with pytest.raises(InvalidRequestError, match="not supported on this backend"):
+        llm.engine.check_structured(choice)
 
 
 def test_pool_exhaustion_reaches_the_caller_as_a_finish_reason(tiny_gguf: Path) -> None:
