@@ -14,6 +14,9 @@ from server_harness import LiveServer, wait_pool_whole
 
 CLIENTS = 128
 MAX_TOKENS = 24
+# Leavers ask for far more, so none can finish before the server notices it left (a loaded
+# machine may take a while to), which would end it as "length" instead of an abort.
+LEAVER_MAX_TOKENS = 400
 
 
 def _aborts(server: LiveServer) -> float:
@@ -36,7 +39,7 @@ async def _client(http: httpx.AsyncClient, server: LiveServer, i: int) -> str:
     body = {
         "model": server.model,
         "stream": True,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": LEAVER_MAX_TOKENS if leave else MAX_TOKENS,
         "ignore_eos": True,
         "temperature": 0.8,
         "seed": i,
