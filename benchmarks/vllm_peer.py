@@ -81,14 +81,15 @@ def _run(root: Path, job: dict[str, Any], threads: int) -> dict[str, Any]:
 
 
 def notable_log_lines(root: Path) -> list[str]:
-    """vLLM's warnings and what it chose (cores, KV cache, with `VLLM_LOGGING_LEVEL=DEBUG` in
-    the environment also the GEMM path), from the last run's log, each once."""
+    """vLLM's warnings (not its shutdown's) and what it chose (cores, KV cache, and with
+    `VLLM_LOGGING_LEVEL=DEBUG` in the environment the GEMM path), from the last run's log."""
     keys = ("WARNING", "core ids=", "KV cache size", "GEMM dispatch", "Resolved architecture")
     lines = (root / "vllm.log").read_text(errors="replace").splitlines()
     seen: dict[str, None] = {}
     for line in lines:
-        if any(k in line for k in keys):
-            seen.setdefault(line.split("] ", 1)[-1][:200], None)  # without pid and timestamp
+        said = line.split("] ", 1)[-1][:200]  # without pid and timestamp
+        if any(k in line for k in keys) and not said.startswith("[shutdown]"):
+            seen.setdefault(said, None)
     return list(seen)
 
 
