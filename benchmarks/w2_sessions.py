@@ -3,11 +3,14 @@
 Each session's turn t sends its whole conversation so far plus ~150 new user tokens and
 generates 64 tokens (EOS ignored). shoal with sessions (restarted between turns 3 and 4, so
 turn 4 is restored from `cache_dir`) runs against shoal with prefix caching and sessions off,
-which recomputes every context every turn. Then a micro-benchmark: restoring 32 blocks x 48
-layers from host memory into the pool.
+which recomputes every context every turn, and against vLLM's CPU backend with automatic
+prefix caching (`benchmarks/vllm_peer.py`), whose process is restarted at the same point: a new
+vLLM process has an empty prefix cache, so its turn 4 recomputes every context where shoal
+restores its sessions from disk. Then a micro-benchmark: restoring 32 blocks x 48 layers from
+host memory into the pool.
 
     .venv/bin/python benchmarks/w2_sessions.py                  # 16 sessions x 6 turns
-    .venv/bin/python benchmarks/w2_sessions.py --sessions 4 --turns 4
+    .venv/bin/python benchmarks/w2_sessions.py --sessions 4 --turns 4 [--skip-vllm]
 """
 
 from __future__ import annotations
@@ -19,17 +22,27 @@ import statistics
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+import vllm_peer
 
 from shoal import LLM, SamplingParams
 from shoal.engine.kv_store import gather_blocks, scatter_blocks
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @dataclass
 class Turn:
     seconds: float
     ttfts: list[float]
+
+    def report(self, who: str, number: int) -> None:
+        print(
+            f"  {who} turn {number}: {self.seconds:.1f} s, "
+            f"mean TTFT {statistics.mean(self.ttfts):.2f} s"
+        )
 
 
 def make_conversation(args: argparse.Namespace) -> tuple[list[int], list[list[list[int]]]]:
@@ -65,19 +78,16 @@ def run(args: argparse.Namespace, sessions: bool, cache_dir: str | None) -> list
     system, users = make_conversation(args)
     histories = [list(system) for _ in range(args.sessions)]
     kw = {"cache_dir": cache_dir} if sessions else {"enable_prefix_caching": False}
-    llm = LLM(max_num_seqs=args.sessions, **kw)
+    llm = LLM(max_num_seqs=args.sessions, dtype=args.dtype, **kw)
     turns = []
     for t in range(args.turns):
         if sessions and t == args.restart_before - 1:
             llm.close()  # saves every session to cache_dir
             del llm
             gc.collect()
-            llm = LLM(max_num_seqs=args.sessions, **kw)
+            llm = LLM(max_num_seqs=args.sessions, dtype=args.dtype, **kw)
         turns.append(play(llm, histories, users[t], sessions, args.gen))
-        print(
-            f"  {'sessions' if sessions else 'baseline'} turn {t + 1}: "
-            f"{turns[-1].seconds:.1f} s, mean TTFT {statistics.mean(turns[-1].ttfts):.2f} s"
-        )
+        turns[-1].report("sessions" if sessions else "baseline", t + 1)
     if sessions:
         s = llm.stats()
         print(
@@ -86,6 +96,22 @@ def run(args: argparse.Namespace, sessions: bool, cache_dir: str | None) -> list
             f"restore p50 {s.restore_latency_p50_ms:.1f} ms p95 {s.restore_latency_p95_ms:.1f} ms"
         )
     llm.close()
+    return turns
+
+
+def run_vllm(args: argparse.Namespace, root: Path) -> list[Turn]:
+    """The same conversations through vLLM, one process before the restart and one after."""
+    system, users = make_conversation(args)
+    histories = [list(system) for _ in range(args.sessions)]
+    r = args.restart_before - 1
+    parts = [users[:r], users[r:]] if 0 < r < args.turns else [users]
+    threads = torch.get_num_threads()
+    turns: list[Turn] = []
+    for part in parts:
+        timed, histories = vllm_peer.w2(root, args.dtype, histories, part, args.gen, threads)
+        for seconds, ttfts in timed:
+            turns.append(Turn(seconds, ttfts))
+            turns[-1].report("vLLM", len(turns))
     return turns
 
 
@@ -120,15 +146,19 @@ def main() -> None:
     ap.add_argument("--user", type=int, default=150, help="user tokens per turn (+-20)")
     ap.add_argument("--gen", type=int, default=64, help="generated tokens per turn")
     ap.add_argument("--restart-before", type=int, default=4, help="restart before this turn")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     print(
         f"W2: {args.sessions} sessions x {args.turns} turns, system {args.system} tokens, "
         f"+{args.user} user / {args.gen} generated per turn; torch threads "
-        f"{torch.get_num_threads()}"
+        f"{torch.get_num_threads()}, {args.dtype}"
     )
+    vllm_root = None if args.skip_vllm else vllm_peer.setup(REPO)  # builds once, before timing
     with tempfile.TemporaryDirectory(prefix="shoal-w2-") as cache_dir:
         with_sessions = run(args, True, cache_dir)
     baseline = run(args, False, None)
+    vllm = None if vllm_root is None else run_vllm(args, vllm_root)
 
     def summary(turns: list[Turn]) -> tuple[float, float]:
         later = [x for t in turns[1:] for x in t.ttfts]
@@ -140,6 +170,13 @@ def main() -> None:
         f"TTFT t2-t{args.turns}  sessions {sttft:8.2f} s   baseline {bttft:8.2f} s   "
         f"ratio {bttft / sttft:5.1f}x"
     )
+    if vllm is not None:
+        vt, vttft = summary(vllm)
+        print(
+            f"vLLM (automatic prefix caching) total {vt:.1f} s, "
+            f"TTFT t2-t{args.turns} {vttft:.2f} s; "
+            f"ratio vLLM / shoal sessions: total {vt / st:.2f}x, TTFT {vttft / sttft:.2f}x"
+        )
     r = args.restart_before - 1
     if 0 < r < args.turns:
         restored = statistics.mean(with_sessions[r].ttfts)
@@ -148,6 +185,12 @@ def main() -> None:
             f"turn {r + 1} TTFT after restart: restored from disk {restored:.2f} s, "
             f"recomputed {recomputed:.2f} s, ratio {recomputed / restored:.1f}x"
         )
+        if vllm is not None:
+            fresh = statistics.mean(vllm[r].ttfts)
+            print(
+                f"turn {r + 1} TTFT after restart, vLLM (a new process recomputes): {fresh:.2f} s, "
+                f"ratio vLLM / shoal restored {fresh / restored:.1f}x"
+            )
     restore_micro()
 
 
