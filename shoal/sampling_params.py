@@ -70,6 +70,9 @@ class StructuredOutput:
         raise AssertionError("validated in __post_init__")
 
 
+_GREEDY_BELOW = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -118,7 +121,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures this close to 0 are greedy: dividing logits by them overflows (as vLLM
+        treats anything below 1e-5)."""
+        return self.temperature < _GREEDY_BELOW
 
     @property
     def stop_strings(self) -> list[str]:

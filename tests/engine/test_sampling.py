@@ -102,6 +102,14 @@ def test_low_temperature_sharpens():
     assert set(sample(rows, seqs).token_ids) == {1}
 
 
+def test_a_vanishing_temperature_is_greedy_not_an_overflow():
+    """1e-227 would turn logits into inf and the probabilities into NaN (a 500 once)."""
+    seqs = seqs_with(4, temperature=1e-227)
+    assert all(s.params.greedy for s in seqs)
+    rows = torch.tensor([LOGITS] * len(seqs), dtype=torch.float32)
+    assert sample(rows, seqs).token_ids == [1] * 4
+
+
 def test_greedy_rows_ignore_generators_and_mix_with_sampled_rows():
     greedy = Sequence("g", [1], SamplingParams(temperature=0))
     sampled = seqs_with(1, temperature=1.0, top_k=1)[0]
