@@ -150,9 +150,13 @@ def describe_paths(llm: Any) -> list[str]:
     kv = model.attention_layers[0].k_cache.dtype
     kernels = cpu_kernels.native()
     isa = "none (pure torch)" if kernels is None else f"{kernels.isa} (-march=native)"
-    path = linear.projection_path(act, weight)
-    if path == "onednn":
-        path += f" {onednn_kernel(str(act).removeprefix('torch.'))}"
+    path = {
+        "gemm": "shoal's gemm.cpp (AVX2 + FMA)",
+        "gemm-bf16": "shoal's gemm_bf16.cpp (VDPBF16PS)",
+        "torch": "torch F.linear",
+    }.get(linear.projection_path(act, weight), "")
+    if not path:
+        path = f"oneDNN {onednn_kernel(str(act).removeprefix('torch.'))}"
     decode = kernels is not None and kernels.decodes(act, kv)
     prefill = kernels is not None and kernels.prefills(act, kv)
     return [

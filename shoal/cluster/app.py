@@ -46,9 +46,7 @@ class ClusterConfig:
 
     def replica_server(self) -> ServerConfig:
         tier = self.session_tier or self.server.data_dir / "session-tier"
-        engine = dataclasses.replace(
-            self.server.engine, session_tier_dir=str(tier), cache_dir=None
-        )
+        engine = dataclasses.replace(self.server.engine, session_tier_dir=str(tier), cache_dir=None)
         return dataclasses.replace(self.server, engine=engine)
 
 

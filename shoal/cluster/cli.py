@@ -77,7 +77,9 @@ def add_parser(
         "deploy", help="deploy the ingress and engine replicas on a running Ray cluster"
     )
     deploy.add_argument(
-        "--address", default="auto", help="the Ray cluster: auto (this machine's) or ray://host:10001"
+        "--address",
+        default="auto",
+        help="the Ray cluster: auto (this machine's) or ray://host:10001",
     )
     server_arguments(deploy)
     add_replica_arguments(deploy)

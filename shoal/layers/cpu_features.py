@@ -43,3 +43,8 @@ def has_avx512() -> bool:
 def native_bf16() -> bool:
     """Whether the CPU has bfloat16 dot-product instructions (AVX512_BF16, AMX-BF16, Arm BF16)."""
     return bool(_NATIVE_BF16 & cpu_flags())
+
+
+def has_amx() -> bool:
+    """AMX tiles for bfloat16 (Sapphire/Granite Rapids), which oneDNN drives itself."""
+    return "amx_bf16" in cpu_flags()

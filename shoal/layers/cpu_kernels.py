@@ -35,7 +35,14 @@ from shoal.layers.cpu_features import cpu_flags
 
 log = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("paged_decode.cpp", "paged_prefill.cpp", "gemm.cpp", "elementwise.cpp", "blocks.cpp")
+_SOURCES = (
+    "paged_decode.cpp",
+    "paged_prefill.cpp",
+    "gemm.cpp",
+    "gemm_bf16.cpp",
+    "elementwise.cpp",
+    "blocks.cpp",
+)
 # Compile with fast math (vector `exp`) but link without it: linking with -ffast-math would pull
 # in crtfastmath.o, which flushes subnormals for the whole process.
 _COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
@@ -58,6 +65,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
     "gemm_f32": _GEMM_ARGS,
     "gemm_bf16w": _GEMM_ARGS,
+    "gemm_bf16": _GEMM_ARGS,
     "rope_store_f32_bf16kv": _ROPE_ARGS,
     "scatter_blocks": [_P, _P, _I, _P, _I, _I, _I],
     "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
@@ -133,6 +141,35 @@ class CpuKernels:
             n,
             out.data_ptr(),
             ldc,
+            _ptr(bias),
+            _threads(),
+        )
+        return out
+
+    def has_bf16_gemm(self) -> bool:
+        """Whether bfloat16 activations meet a pair-packed bfloat16 weight here (VDPBF16PS)."""
+        return hasattr(self.lib, "gemm_bf16")
+
+    def gemm_bf16(
+        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`x @ W.T + bias` for bfloat16 rows `x` `[M, K]` (K even) and a weight packed by
+        `pack_weight_pairs`; float32 sums rounded to bfloat16 once, bias (float32) included."""
+        assert x.dtype == torch.bfloat16 and x.dim() == 2
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        assert packed.shape[1] * 2 == k and (bias is None or bias.dtype == torch.float32)
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        self._fn("gemm_bf16")(
+            x.data_ptr(),
+            m,
+            k,
+            x.stride(0),
+            packed.data_ptr(),
+            n,
+            out.data_ptr(),
+            n,
             _ptr(bias),
             _threads(),
         )
@@ -384,6 +421,17 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The native kernels if they take `x`'s element-wise work (a CPU tensor of their dtypes)."""
     kernels = native() if x.device.type == "cpu" else None
     return kernels if kernels is not None and kernels.elementwise(x.dtype) else None
+
+
+def pack_weight_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` bfloat16 -> `[ceil(N / 16), K / 2, 16, 2]`: panels of 16 output columns, k in
+    pairs (the layout VDPBF16PS multiplies), zero-padded columns. K must be even."""
+    n, k = weight.shape
+    assert k % 2 == 0, "pairs of k"
+    pad = -n % PANEL
+    if pad:
+        weight = torch.cat([weight, weight.new_zeros(pad, k)])
+    return weight.reshape(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

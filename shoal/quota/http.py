@@ -106,6 +106,7 @@ def create_app(
     @app.get("/metrics")
     def scrape() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     app.add_middleware(
         Guard,
         api_key=api_key,

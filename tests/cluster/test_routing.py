@@ -57,9 +57,7 @@ def test_rendezvous_moves_only_the_keys_of_a_replica_that_leaves() -> None:
     ("loads", "first"),
     [({}, "home"), ({"home": 8, "x": 0}, "home"), ({"home": 9, "x": 0, "y": 3}, "x")],
 )
-def test_the_home_takes_its_keys_until_it_is_overloaded(
-    loads: dict[str, int], first: str
-) -> None:
+def test_the_home_takes_its_keys_until_it_is_overloaded(loads: dict[str, int], first: str) -> None:
     replicas = ["home", "x", "y"]
     key = next(f"k{i}" for i in range(1000) if rendezvous(f"k{i}", replicas)[0] == "home")
     ranks = rank(Route(session_id=key), replicas, loads, imbalance_threshold=8)

@@ -128,6 +128,23 @@ def test_gemm_matches_float64(
     )
 
 
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 8, 16), (7, 40, 37), (13, 64, 100), (100, 34, 130)])
+def test_bf16_gemm_matches_float64(kernels: CpuKernels, m: int, k: int, n: int) -> None:
+    """VDPBF16PS on k pairs: every tile height and width, partial panels, a bias, strided rows."""
+    if not kernels.has_bf16_gemm():
+        pytest.skip(f"the {kernels.march} build has no AVX512_BF16 kernel (this CPU or target)")
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(m, k + 4, generator=gen).bfloat16()[:, 2 : k + 2]  # strided rows
+    packed = cpu_kernels.pack_weight_pairs(w)
+    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
+    got = kernels.gemm_bf16(x, packed, n, bias)
+    expected = F.linear(x.double(), w.double(), bias.double())
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=1e-2)
+
+
 _TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels, linear
-from shoal.layers.cpu_features import cpu_flags, has_avx512
+from shoal.layers.cpu_features import cpu_flags, has_amx, has_avx512
 
 
 @pytest.mark.skipif(not Path("/proc/cpuinfo").exists(), reason="needs /proc/cpuinfo")
@@ -32,30 +32,48 @@ def test_projection_path_follows_the_cpu() -> None:
     elif linear.onednn_packs(torch.float32):
         assert f32 == "onednn"
     bf16 = linear.projection_path(torch.bfloat16, torch.bfloat16)
-    assert bf16 == ("onednn" if linear.onednn_packs(torch.bfloat16) else "torch")
+    if kernels is not None and kernels.has_bf16_gemm() and not has_amx():
+        assert bf16 == "gemm-bf16"  # AVX512_BF16 without AMX: shoal's VDPBF16PS kernel
+    else:
+        assert bf16 == ("onednn" if linear.onednn_packs(torch.bfloat16) else "torch")
     if gemm:
         assert linear.projection_path(torch.float32, torch.bfloat16) == "gemm"
 
 
+_NEEDS = {
+    "gemm": "shoal's AVX2 kernel needs AVX2 + FMA and a compiler",
+    "gemm-bf16": "shoal's VDPBF16PS kernel needs AVX512_BF16 and a compiler",
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("path", ["gemm", "onednn", "torch"])
-def test_linear_matches_float64_on_every_path(monkeypatch, dtype, path) -> None:
+@pytest.mark.parametrize("path", ["gemm", "gemm-bf16", "onednn", "torch"])
+@pytest.mark.parametrize("k", [40, 41])  # the VDPBF16PS kernel takes k in pairs
+def test_linear_matches_float64_on_every_path(monkeypatch, dtype, path, k) -> None:
     kernels = cpu_kernels.native()
-    if path == "gemm" and (kernels is None or not kernels.has_gemm(dtype)):
-        pytest.skip("shoal's kernel needs AVX2 + FMA and a compiler")
+    runs = {
+        "gemm": kernels is not None and kernels.has_gemm(dtype),
+        "gemm-bf16": kernels is not None and kernels.has_bf16_gemm(),
+    }
+    if not runs.get(path, True):
+        pytest.skip(_NEEDS[path])
+    if path == "gemm-bf16" and dtype != torch.bfloat16:
+        pytest.skip("bfloat16 only")
     if path == "onednn" and not linear.onednn_packs(dtype):
         pytest.skip(f"oneDNN does not pack {dtype} on this CPU")
     monkeypatch.setattr(linear, "projection_path", lambda act, weight: path)
     gen = torch.Generator().manual_seed(0)
-    w, b = torch.randn(48, 40, generator=gen), torch.randn(48, generator=gen)
-    x = torch.randn(5, 40, generator=gen)
+    w, b = torch.randn(48, k, generator=gen), torch.randn(48, generator=gen)
+    x = torch.randn(5, k, generator=gen)
     layer = linear.Linear(w.to(dtype), b.to(dtype))
-    # The kernel takes float32 activations against either weight; the others match dtypes.
+    # The AVX2 kernel takes float32 activations against either weight; the others match dtypes.
     x_in = x if path == "gemm" else x.to(dtype)
     got = layer(x_in)
     assert got.dtype == (torch.float32 if path == "gemm" else dtype)
-    assert (layer._panels is not None) is (path == "gemm")
-    assert (layer._packed is not None) is (path == "onednn")
+    taken = path
+    if path == "gemm-bf16" and k % 2:  # odd k goes to oneDNN (or torch)
+        taken = "onednn" if linear.onednn_packs(dtype) else "torch"
+    assert layer._packed_for == ("" if taken == "torch" else taken)
     # Against float64 math on the same (rounded) operands; bf16 outputs are rounded once.
     expected = F.linear(x_in.double(), w.to(dtype).double(), b.to(dtype).double())
     tol = 1e-5 if got.dtype == torch.float32 else 1e-2

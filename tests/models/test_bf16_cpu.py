@@ -28,7 +28,7 @@ def _rounded_to_bf16(src: Path, dst: Path) -> Path:
     return dst
 
 
-def _has_bf16_gemm() -> bool:
+def _has_bf16_weight_gemm() -> bool:
     kernels = cpu_kernels.native()
     return kernels is not None and kernels.has_gemm(torch.bfloat16)
 
@@ -38,8 +38,8 @@ def test_activation_dtype_follows_the_cpu(tiny_model_dir):
     act = llm.engine.runner.model.act_dtype
     if linear.native_bf16_products():
         assert act == torch.bfloat16
-        assert linear.projection_path(torch.bfloat16, torch.bfloat16) == "onednn"
-    elif _has_bf16_gemm():
+        assert linear.projection_path(torch.bfloat16, torch.bfloat16) in ("gemm-bf16", "onednn")
+    elif _has_bf16_weight_gemm():
         assert act == torch.float32
         assert linear.projection_path(torch.float32, torch.bfloat16) == "gemm"
     else:
@@ -50,7 +50,7 @@ def test_activation_dtype_follows_the_cpu(tiny_model_dir):
 def test_bf16_weights_run_with_float32_activations(tiny_model_dir, tmp_path, monkeypatch):
     """What it computes is float32 math on the bf16-rounded weights (KV rounding aside). The
     path CPUs without native bf16 take; on others it is forced, to test it where it runs."""
-    if not _has_bf16_gemm():
+    if not _has_bf16_weight_gemm():
         pytest.skip("needs AVX2 + FMA and a compiler for shoal's kernel")
     monkeypatch.setattr(linear, "native_bf16_products", lambda: False)
     monkeypatch.setattr("shoal.engine.model_runner.native_bf16_products", lambda: False)

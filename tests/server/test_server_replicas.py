@@ -86,9 +86,9 @@ def test_a_batch_fans_out_over_replicas_and_each_result_lands_once(
     assert written_by(a) > 0 and written_by(b) > 0  # both replicas ran lines
     assert written_by(a) + written_by(b) == N
     out_a = a.client().batches.retrieve(batch_id).output_file_id
-    assert out_a and a.client().files.content(out_a).content == b.client().files.content(
-        out_a
-    ).content
+    assert (
+        out_a and a.client().files.content(out_a).content == b.client().files.content(out_a).content
+    )
 
     # Anthropic's Message Batches run on the same runner and store.
     model = a.client().models.list().data[0].id

@@ -174,7 +174,7 @@ def test_a_data_dir_from_before_the_store_interface_opens(tmp_path: Path) -> Non
         " PRIMARY KEY (batch_id, custom_id));"
         "INSERT INTO files VALUES (1, 'file-old', 3, 0, 'in.jsonl', 'batch', NULL);"
         "INSERT INTO batches VALUES (1, 'batch_old', 'in_progress', '{\"id\": \"batch_old\","
-        " \"status\": \"in_progress\", \"input_file_id\": \"file-old\"}');"
+        ' "status": "in_progress", "input_file_id": "file-old"}\');'
         "INSERT INTO results VALUES ('batch_old', 'a', 1, 1, '{}', 0, 0);"
     )
     db.commit()

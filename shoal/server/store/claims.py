@@ -58,8 +58,7 @@ class LineTables(Tables):
 
     def _insert_lines(self, tx: Tx, batch_id: str, keys: Sequence[tuple[str, int]]) -> None:
         tx.many(
-            "INSERT INTO lines (batch_id, custom_id, line) VALUES (?, ?, ?) "
-            "ON CONFLICT DO NOTHING",
+            "INSERT INTO lines (batch_id, custom_id, line) VALUES (?, ?, ?) ON CONFLICT DO NOTHING",
             [(batch_id, cid, no) for cid, no in keys],
         )
 
@@ -148,4 +147,3 @@ class LineTables(Tables):
         sql = "SELECT ok, body FROM results WHERE batch_id = ? ORDER BY line"
         for r in self._rows(sql, (batch_id,)):
             yield bool(r[0]), r[1]
-

@@ -26,7 +26,6 @@ class Tx:
         self._conn.cursor().executemany(self._sql(sql), [tuple(r) for r in rows])
 
 
-
 def marks(values: Sequence[Any]) -> str:
     """`?,?,?`: one placeholder per value."""
     return ",".join("?" * len(values))
