@@ -1,7 +1,6 @@
-"""The C++ CPU kernels: compiled with the system's C++ compiler on first use, called by ctypes.
+"""The C++ CPU kernels, called by ctypes: typed entry points over one compiled build.
 
-No torch headers are involved, so a build takes a few seconds; the library is cached under
-`$SHOAL_CACHE_DIR` (default `~/.cache/shoal`) keyed by sources, compiler, target and CPU.
+The library is compiled with the system's C++ compiler on first use (`kernel_library`).
 Without a compiler (or with `SHOAL_DISABLE_CPU_KERNELS=1`) callers fall back to pure torch.
 
 The engine uses the build for `-march=native`: the compiler picks the vector ISA this CPU has
@@ -9,44 +8,19 @@ The engine uses the build for `-march=native`: the compiler picks the vector ISA
 two; `CpuKernels.isa` says which one a build holds. Other targets can be built on the same
 machine (`build("x86-64-v3")` is the AVX2 + FMA path), which is how the tests run every path
 this CPU can execute. The matrix products need AVX2 + FMA and exist only in such builds.
-
-Fast math lets the softmax use vector `exp`; its inputs are finite attention scores, so nothing
-relies on IEEE special cases. The kernels parallelize with OpenMP and link `libgomp.so.1`,
-which resolves to the copy torch has already loaded: one thread pool.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import logging
 import os
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from shoal.config import cache_root
-from shoal.layers.cpu_features import cpu_flags
+from shoal.layers import kernel_library
 
-log = logging.getLogger(__name__)
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = (
-    "paged_decode.cpp",
-    "paged_prefill.cpp",
-    "gemm.cpp",
-    "gemm_bf16.cpp",
-    "elementwise.cpp",
-    "blocks.cpp",
-)
-# Compile with fast math (vector `exp`) but link without it: linking with -ffast-math would pull
-# in crtfastmath.o, which flushes subnormals for the whole process.
-_COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
-_LINK = ["-shared", "-pthread", "-fopenmp"]
 PANEL = 16  # output columns per packed weight panel (gemm.cpp's NR)
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
@@ -376,37 +350,11 @@ class CpuKernels:
         return out
 
 
-def _build(cxx: str, march: str, lib_path: Path) -> None:
-    lib_path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-        objs = [str(Path(tmp) / f"{Path(src).stem}.o") for src in _SOURCES]
-        for src, obj in zip(_SOURCES, objs, strict=True):
-            cmd = [cxx, *_COMPILE, f"-march={march}", str(_CSRC / src), "-o", obj]
-            subprocess.run(cmd, check=True, capture_output=True)
-        built = Path(tmp) / "kernels.so"
-        subprocess.run([cxx, *_LINK, *objs, "-o", str(built)], check=True, capture_output=True)
-        os.replace(built, lib_path)  # atomic: concurrent builders never see a partial file
-
-
 @functools.cache
 def build(march: str = "native") -> CpuKernels | None:
     """The kernels compiled for `-march=<march>`, or None without a working compiler."""
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
-    if cxx is None:
-        log.warning("no C++ compiler found: using the slower pure-torch kernels")
-        return None
-    flags = " ".join([cxx, march, *_COMPILE, *_LINK, " ".join(sorted(cpu_flags()))])
-    digest = hashlib.sha256(flags.encode())
-    for src in sorted(_CSRC.iterdir()):
-        digest.update(src.read_bytes())
-    lib_path = cache_root() / "kernels" / f"shoal-cpu-{digest.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        try:
-            _build(cxx, march, lib_path)
-        except (OSError, subprocess.CalledProcessError) as e:
-            log.warning("building the CPU kernels for %s failed (%s): using pure torch", march, e)
-            return None
-    return CpuKernels(ctypes.CDLL(str(lib_path)), march)
+    path = kernel_library.compiled(march)
+    return None if path is None else CpuKernels(ctypes.CDLL(str(path)), march)
 
 
 @functools.cache
