@@ -77,7 +77,9 @@ def build_application(config: ClusterConfig) -> Any:
         ray_actor_options={"num_cpus": config.ingress_cpus},
         max_ongoing_requests=100_000,
     )(Ingress)
-    return ingress.bind(replica.bind(server), server.max_upload_bytes)
+    # Every replica is given the same `--store` (else each keeps SQLite in its own data dir).
+    shared_store = server.store is not None
+    return ingress.bind(replica.bind(server), server.max_upload_bytes, shared_store)
 
 
 def start_local(

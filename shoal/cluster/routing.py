@@ -38,11 +38,17 @@ class Route:
         return self.session_id or self.affinity
 
 
-def route_for(method: str, path: str, headers: Mapping[str, str], body: bytes) -> Route:
+def route_for(
+    method: str, path: str, headers: Mapping[str, str], body: bytes, shared_store: bool = False
+) -> Route:
     """The route of an HTTP request: its session id (the `X-Session-Id` header, or the body's
-    `session_id`), else its prompt prefix, else nothing (load alone decides)."""
+    `session_id`), else its prompt prefix, else nothing (load alone decides).
+
+    The Files and Batch APIs go to one home while each replica keeps its own store; with a
+    `shared_store` every replica answers them alike, so load decides.
+    """
     if path.startswith(BATCH_API):
-        return Route(affinity=BATCH_KEY)
+        return Route() if shared_store else Route(affinity=BATCH_KEY)
     session_id = headers.get(SESSION_HEADER) or None
     if method != "POST" or path not in GENERATION_API or session_id:
         return Route(session_id=session_id)

@@ -34,7 +34,8 @@ def test_a_request_routes_by_its_session_then_its_prompt() -> None:
     tokens = json.dumps({"prompt": [1, 2, 3]}).encode()
     assert route_for("POST", "/v1/completions", {}, tokens).affinity == "1 2 3"
     for path in ("/v1/files", "/v1/batches/batch_1", "/v1/messages/batches"):
-        assert route_for("GET", path, {}, b"") == Route(affinity=BATCH_KEY)
+        assert route_for("GET", path, {}, b"") == Route(affinity=BATCH_KEY)  # a replica's store
+        assert route_for("GET", path, {}, b"", shared_store=True) == Route()  # any replica
     assert route_for("GET", "/health", {}, b"") == Route()
     assert route_for("POST", "/v1/chat/completions", {}, b"{not json") == Route()
 
