@@ -30,7 +30,9 @@ class ClusterConfig:
 
     Every replica runs `server` (its engine, limits, auth, batch settings) with its own data
     dir under `server.data_dir`; `session_tier` (default `<data dir>/session-tier`) must be
-    one folder every replica sees, on shared storage when replicas span machines.
+    one folder every replica sees, on shared storage when replicas span machines. `tier=False`
+    shares no session KV: each replica keeps its sessions to itself, as plain `shoal serve`
+    processes would (the generic baseline of benchmarks/cluster_sessions.py).
     """
 
     server: ServerConfig
@@ -39,6 +41,7 @@ class ClusterConfig:
     replica_gpus: float = 0.0
     ingress_cpus: float = 0.1
     session_tier: Path | None = None
+    tier: bool = True
     imbalance_threshold: int = 8  # queue length over the lightest replica's before a move
     policy: str = "affine"  # or "round_robin": the baseline of benchmarks/cluster_sessions.py
     max_ongoing_requests: int = 0  # per replica; 0: the engine's max_waiting + max_num_seqs
@@ -47,7 +50,7 @@ class ClusterConfig:
     def replica_server(self) -> ServerConfig:
         tier = self.session_tier or self.server.data_dir / "session-tier"
         engine = dataclasses.replace(
-            self.server.engine, session_tier_dir=str(tier), cache_dir=None
+            self.server.engine, session_tier_dir=str(tier) if self.tier else None, cache_dir=None
         )
         return dataclasses.replace(self.server, engine=engine)
 
