@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from shoal.cluster import metrics
 from shoal.cluster.asgi import Forwarded, ResponseHead
 from shoal.cluster.replica import REPLICA_HEADER
-from shoal.cluster.routing import STATS, Route, route_for
+from shoal.cluster.routing import HOMES, STATS, Route, route_for
 from shoal.server.errors import APIError, error_response
 
 log = logging.getLogger("shoal.cluster")
@@ -68,6 +68,8 @@ class Ingress:
             assert isinstance(head, ResponseHead)
             replica = dict(head.headers).get(REPLICA_HEADER.encode(), b"").decode()
             STATS.routed(route, replica)
+            if route.session_id is not None and replica:
+                HOMES.settle(route.session_id, replica)  # a moved turn's KV is there now
             response = StreamingResponse(_body(stream), status_code=head.status)
             response.raw_headers = head.headers
             return response
