@@ -23,7 +23,7 @@ HTTP overhead: short requests one at a time, alternating between the ingress and
 `shoal serve`. Replicas and the direct server run one torch thread each (`OMP_NUM_THREADS=1`
 unless set).
 
-    .venv/bin/python benchmarks/cluster_sessions.py               # 12 sessions x 6 turns
+    .venv/bin/python benchmarks/cluster_sessions.py               # W2: 16 sessions x 6 turns
     .venv/bin/python benchmarks/cluster_sessions.py --setups a,c --sessions 8 --turns 4
 """
 
@@ -292,11 +292,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default=None)
     p.add_argument("--setups", default="a,b,c", help="which of a, b, c to run, in order")
-    p.add_argument("--sessions", type=int, default=12)
+    p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=6)
     p.add_argument("--system", type=int, default=1000, help="words of the shared system prompt")
     p.add_argument("--user", type=int, default=150, help="words each turn adds")
-    p.add_argument("--gen", type=int, default=32)
+    p.add_argument("--gen", type=int, default=64)
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--replica-cpus", type=float, default=1.0)
     p.add_argument("--kv-cache-gib", type=float, default=1.0, help="each replica's KV pool")
