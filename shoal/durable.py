@@ -20,6 +20,16 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_synced(path: Path, data: bytes) -> None:
+    """Write `data` to a new file under a name no other writer uses and fsync it; no rename,
+    no folder fsync: the caller renames what names it (a manifest) and fsyncs the folder once
+    for all. A crash mid-write leaves a partial file nothing names."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def atomic_write(path: Path, data: bytes | Iterable[bytes]) -> int:
     """Write `data` (bytes, or chunks of it) to `path` all or nothing; returns its size."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

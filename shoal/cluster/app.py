@@ -30,7 +30,9 @@ class ClusterConfig:
 
     Every replica runs `server` (its engine, limits, auth, batch settings) with its own data
     dir under `server.data_dir`; `session_tier` (default `<data dir>/session-tier`) must be
-    one folder every replica sees, on shared storage when replicas span machines.
+    one folder every replica sees, on shared storage when replicas span machines. `tier=False`
+    shares no session KV: each replica keeps its sessions to itself, as plain `shoal serve`
+    processes would (the generic baseline of benchmarks/cluster_sessions.py).
     """
 
     server: ServerConfig
@@ -39,6 +41,7 @@ class ClusterConfig:
     replica_gpus: float = 0.0
     ingress_cpus: float = 0.1
     session_tier: Path | None = None
+    tier: bool = True
     imbalance_threshold: int = 8  # queue length over the lightest replica's before a move
     policy: str = "affine"  # or "round_robin": the baseline of benchmarks/cluster_sessions.py
     max_ongoing_requests: int = 0  # per replica; 0: the engine's max_waiting + max_num_seqs
@@ -46,7 +49,9 @@ class ClusterConfig:
 
     def replica_server(self) -> ServerConfig:
         tier = self.session_tier or self.server.data_dir / "session-tier"
-        engine = dataclasses.replace(self.server.engine, session_tier_dir=str(tier), cache_dir=None)
+        engine = dataclasses.replace(
+            self.server.engine, session_tier_dir=str(tier) if self.tier else None, cache_dir=None
+        )
         return dataclasses.replace(self.server, engine=engine)
 
 
@@ -75,7 +80,9 @@ def build_application(config: ClusterConfig) -> Any:
         ray_actor_options={"num_cpus": config.ingress_cpus},
         max_ongoing_requests=100_000,
     )(Ingress)
-    return ingress.bind(replica.bind(server), server.max_upload_bytes)
+    # Every replica is given the same `--store` (else each keeps SQLite in its own data dir).
+    shared_store = server.store is not None
+    return ingress.bind(replica.bind(server), server.max_upload_bytes, shared_store)
 
 
 def start_local(

@@ -3,9 +3,10 @@
 Every path `shoal serve` answers (OpenAI, Anthropic, Files and Batch APIs, health) is
 forwarded whole to one replica through a `DeploymentHandle`, whose `SessionAffinityRouter`
 picks the replica from the request's `Route` (`routing.route_for`: session id, prompt prefix,
-or the batch API's one home). The answer streams back as the replica's app sent it: status,
-headers (plus `x-shoal-replica`), body chunks, SSE included. `/metrics` gathers every live
-replica's metrics with a `replica` label and adds the session placement counts.
+the batch API's one home, or load alone when the replicas share a batch store). The answer
+streams back as the replica's app sent it: status, headers (plus `x-shoal-replica`), body
+chunks, SSE included. `/metrics` gathers every live replica's metrics with a `replica` label
+and adds the session placement counts.
 
 A replica that dies before answering is retried once on another; if none answers, the client
 gets a 503 with `Retry-After` in its API's error shape, which the official SDKs retry. A stream
@@ -27,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from shoal.cluster import metrics
 from shoal.cluster.asgi import Forwarded, ResponseHead
 from shoal.cluster.replica import REPLICA_HEADER
-from shoal.cluster.routing import STATS, Route, route_for
+from shoal.cluster.routing import HOMES, STATS, Route, route_for
 from shoal.server.errors import APIError, error_response
 
 log = logging.getLogger("shoal.cluster")
@@ -36,9 +37,12 @@ METRICS_TIMEOUT_S = 10.0
 
 
 class Ingress:
-    def __init__(self, replicas: DeploymentHandle, max_body_bytes: int) -> None:
+    def __init__(
+        self, replicas: DeploymentHandle, max_body_bytes: int, shared_store: bool = False
+    ) -> None:
         self.replicas = replicas.options(stream=True)
         self.max_body_bytes = max_body_bytes
+        self.shared_store = shared_store
 
     async def __call__(self, request: Request) -> Response:
         path = request.url.path
@@ -48,7 +52,7 @@ class Ingress:
         if request.method == "GET" and path == "/metrics":
             return Response(await self.metrics(), media_type="text/plain; version=0.0.4")
         headers = {k.lower(): v for k, v in request.headers.items()}
-        route = route_for(request.method, path, headers, body)
+        route = route_for(request.method, path, headers, body, self.shared_store)
         forwarded = Forwarded(
             request.method, path, request.url.query.encode(), request.headers.raw, body
         )
@@ -64,6 +68,8 @@ class Ingress:
             assert isinstance(head, ResponseHead)
             replica = dict(head.headers).get(REPLICA_HEADER.encode(), b"").decode()
             STATS.routed(route, replica)
+            if route.session_id is not None and replica:
+                HOMES.settle(route.session_id, replica)  # a moved turn's KV is there now
             response = StreamingResponse(_body(stream), status_code=head.status)
             response.raw_headers = head.headers
             return response

@@ -2,14 +2,16 @@
 
 It lives inside the ingress's `DeploymentHandle` and is called for every request sent through
 it. The request's `Route` travels as the `route` keyword argument; the decision itself is
-`routing.rank` (rendezvous hashing of the session id, or the prompt prefix, over the live
-replicas, with a fallback to the least-loaded replica past an imbalance threshold). Queue
+`routing.rank`: a session goes to its home (`routing.HOMES`: where it went last, or placed by
+rendezvous hashing with bounded loads), the prompt prefix to its rendezvous home, with a
+fallback to the least-loaded replica past an imbalance threshold. Queue
 lengths come from Ray Serve's cache, probed when missing or stale. Requests are matched to
 replicas by their own id (no FIFO mixin), so a replica chosen for one session never serves
 another request that happened to wait longer.
 
 Ray Serve ships this module to the handle by value (cloudpickle): what it shares with the
-ingress (`routing.STATS`) is reached through the `routing` module, which travels by name.
+ingress (`routing.STATS`, `routing.HOMES`) is reached through the `routing` module, which
+travels by name.
 """
 
 from __future__ import annotations
@@ -52,7 +54,9 @@ class SessionAffinityRouter(RequestRouter):
             self._turn += 1
             return [[by_id[sorted(by_id)[self._turn % len(by_id)]]]]
         loads = await self._queue_lengths(candidate_replicas) if route.key else {}
-        ranks = routing.rank(route, list(by_id), loads, self.imbalance_threshold)
+        live = list(by_id)
+        home = routing.HOMES.home(route.session_id, live) if route.session_id else None
+        ranks = routing.rank(route, live, loads, self.imbalance_threshold, home)
         return [[by_id[r] for r in group] for group in ranks]
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[str, int]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -38,11 +39,17 @@ class Route:
         return self.session_id or self.affinity
 
 
-def route_for(method: str, path: str, headers: Mapping[str, str], body: bytes) -> Route:
+def route_for(
+    method: str, path: str, headers: Mapping[str, str], body: bytes, shared_store: bool = False
+) -> Route:
     """The route of an HTTP request: its session id (the `X-Session-Id` header, or the body's
-    `session_id`), else its prompt prefix, else nothing (load alone decides)."""
+    `session_id`), else its prompt prefix, else nothing (load alone decides).
+
+    The Files and Batch APIs go to one home while each replica keeps its own store; with a
+    `shared_store` every replica answers them alike, so load decides.
+    """
     if path.startswith(BATCH_API):
-        return Route(affinity=BATCH_KEY)
+        return Route() if shared_store else Route(affinity=BATCH_KEY)
     session_id = headers.get(SESSION_HEADER) or None
     if method != "POST" or path not in GENERATION_API or session_id:
         return Route(session_id=session_id)
@@ -88,14 +95,19 @@ def rendezvous(key: str, replicas: Iterable[str]) -> list[str]:
 
 
 def rank(
-    route: Route, replicas: list[str], loads: Mapping[str, int], imbalance_threshold: int
+    route: Route,
+    replicas: list[str],
+    loads: Mapping[str, int],
+    imbalance_threshold: int,
+    home: str | None = None,
 ) -> list[list[str]]:
     """Ranks of replicas to try, most preferred first (Ray Serve takes the first rank with a
     replica whose queue is not full, the least loaded within it).
 
-    A keyed request goes to its home unless the home's queue is longer than the shortest one
-    by more than `imbalance_threshold` (then the least loaded take it and the home comes last);
-    without a key, any replica, least loaded first. A pinned request goes to its replica only.
+    A keyed request goes to its home (`home`, a session's; else the key's rendezvous first
+    choice) unless the home's queue is longer than the shortest one by more than
+    `imbalance_threshold` (then the least loaded take it and the home comes last); without a
+    key, any replica, least loaded first. A pinned request goes to its replica only.
     """
     if route.replica is not None:
         return [[route.replica]] if route.replica in replicas else []
@@ -103,12 +115,60 @@ def rank(
         return []
     if route.key is None:
         return [list(replicas)]
-    home, *others = rendezvous(route.key, replicas)
+    order = rendezvous(route.key, replicas)
+    if home in order:
+        order.remove(home)
+        order.insert(0, home)
+    home, *others = order
     others.sort(key=lambda r: loads.get(r, 0))
     lightest = min(loads.get(r, 0) for r in replicas)
     if loads.get(home, 0) - lightest > imbalance_threshold:
         return [others, [home]] if others else [[home]]
     return [[home], others] if others else [[home]]
+
+
+@dataclass
+class SessionHomes:
+    """Each session's home replica, as this ingress knows it (the `max_sessions` most recent;
+    one forgotten is placed again, and the tier restores it wherever it lands)."""
+
+    max_sessions: int = 100_000
+    _home: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _count: dict[str, int] = field(default_factory=dict)  # known sessions per replica
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def home(self, session_id: str, replicas: list[str]) -> str | None:
+        """Where the session lives if that replica is live; else where it goes now (recorded
+        at once, so sessions placed together see each other): its rendezvous order's first
+        replica holding fewer than ceil(mean) of the sessions known on live replicas."""
+        if not replicas:
+            return None
+        with self._lock:
+            home = self._home.get(session_id)
+            if home in replicas:
+                self._home.move_to_end(session_id)
+                return home
+            counts = [self._count.get(r, 0) for r in replicas]
+            cap = math.ceil((sum(counts) + 1) / len(replicas))
+            order = rendezvous(session_id, replicas)
+            home = next(r for r in order if self._count.get(r, 0) < cap)
+            self._set(session_id, home)
+            return home
+
+    def settle(self, session_id: str, replica: str) -> None:
+        """The session's request was answered by `replica`: its KV lives there now."""
+        with self._lock:
+            self._set(session_id, replica)
+
+    def _set(self, session_id: str, replica: str) -> None:
+        old = self._home.pop(session_id, None)
+        if old is not None:
+            self._count[old] -= 1
+        self._home[session_id] = replica
+        self._count[replica] = self._count.get(replica, 0) + 1
+        if len(self._home) > self.max_sessions:
+            _, gone = self._home.popitem(last=False)
+            self._count[gone] -= 1
 
 
 @dataclass(slots=True)
@@ -155,3 +215,4 @@ class RoutingStats:
 
 
 STATS = RoutingStats()  # what this process's routers saw; the ingress exports it
+HOMES = SessionHomes()  # where this process's routers send each session

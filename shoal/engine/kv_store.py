@@ -98,5 +98,8 @@ class SessionStore(FilesTier):
     def describe(self, kv: torch.Tensor) -> tuple[list[int], str]:
         return list(kv.shape), str(kv.dtype).removeprefix("torch.")
 
+    def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # along the blocks
+
     def restore(self, data: torch.Tensor, block_ids: list[int]) -> None:
         scatter_blocks(self.runner.kv_caches(), block_ids, data)

@@ -22,7 +22,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import xxhash
 
@@ -75,6 +75,16 @@ class Manifest:
     checksum: str
     nbytes: int
     last_used: float
+
+
+class Sealed(Protocol):
+    """What a file is checked against: its size and checksum (a manifest, a tier chunk)."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    @property
+    def checksum(self) -> str: ...
 
 
 def checksum(data: bytes | mmap.mmap) -> str:
@@ -236,7 +246,7 @@ def check_manifest(path: Path, layout: KVLayout) -> Manifest:
     return m
 
 
-def verify_tensor_file(m: Manifest, path: Path) -> None:
+def verify_tensor_file(m: Sealed, path: Path) -> None:
     """Raise `CacheCorruptionError` unless `path` has the size and checksum `m` names."""
     try:
         # Mapped, not read: the checksum pass pulls the pages in for the loader that follows.

@@ -1,5 +1,7 @@
 """One local Ray cluster for every cluster test: an ingress and 2 engine replicas of the tiny
-chat model on 127.0.0.1, sharing a session tier; stopped when the cluster tests are done.
+chat model on 127.0.0.1, sharing a session tier and a batch store (a database in the session's
+throwaway PostgreSQL, with a 2 s lease), each with its own data dir; stopped when the cluster
+tests are done.
 
 On 2 cores: replicas at half a CPU each, no dashboard, a small object store, every wait bounded.
 """
@@ -9,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,14 +23,27 @@ from shoal.config import EngineConfig
 from shoal.server.state import ServerConfig
 
 START_TIMEOUT_S = 240
+BATCH_LEASE_S = 2.0
+BATCH_CONCURRENCY = 2  # batch requests per replica at once: a batch lasts long enough to kill
 
 
 @pytest.fixture(scope="package")
-def cluster(tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+def cluster(
+    tiny_chat_model: Path, tmp_path_factory: pytest.TempPathFactory, postgres: Any
+) -> Iterator[Cluster]:
     data = tmp_path_factory.mktemp("cluster")
     engine = EngineConfig(model=str(tiny_chat_model), num_blocks=512, max_waiting=256)
+    server = ServerConfig(
+        engine=engine,
+        data_dir=data,
+        drain_timeout_s=2.0,
+        batch_grace_s=0.5,
+        store=postgres.new_database(),
+        batch_lease_s=BATCH_LEASE_S,
+        batch_concurrency=BATCH_CONCURRENCY,
+    )
     config = ClusterConfig(
-        ServerConfig(engine=engine, data_dir=data, drain_timeout_s=2.0, batch_grace_s=0.5),
+        server,
         replicas=2,
         replica_cpus=0.5,
         app_name=APP,

@@ -5,15 +5,17 @@
 - `ray.kill` of a replica mid-run: every request after it succeeds (the SDK's retries allowed),
   the dead replica's sessions continue elsewhere restored from the shared tier (tokens reused
   > 0) with a no-cache run's outputs;
-- the same routes, errors and streaming as `shoal serve`, OpenAI's and Anthropic's.
+- the same routes, errors and streaming as `shoal serve`, OpenAI's and Anthropic's;
+- a batch created through the ingress runs on both replicas (their shared PostgreSQL store);
+  `ray.kill` of one mid-batch and it still completes with every result exactly once.
 """
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,6 +25,7 @@ import httpx
 import openai
 import pytest
 import ray
+from batch_helpers import TERMINAL, chat_line, jsonl, read_lines, upload
 from cluster_harness import Cluster
 
 from shoal import LLM, SamplingParams
@@ -30,6 +33,8 @@ from shoal import LLM, SamplingParams
 SESSIONS = 8
 TURNS = 4
 MAX_TOKENS = 8
+BATCH_LINES = 48
+BATCH_TOKENS = 48  # at 2 batch requests per replica, the batch runs for seconds
 
 
 @dataclass
@@ -184,36 +189,48 @@ def test_same_routes_errors_and_streaming_as_shoal_serve(cluster: Cluster) -> No
     assert httpx.get(f"{cluster.url}/health", timeout=30).json()["status"] == "ok"
 
 
-@pytest.mark.skip(reason="needs the shared batch store (stores branch)")
+def wait_for_replicas(cluster: Cluster, n: int, timeout: float = 120) -> list[str]:
+    """The live replicas, once there are `n` (Ray Serve replaces one an earlier test killed)."""
+    deadline = time.monotonic() + timeout
+    while len(live := metric(cluster, "shoal_num_sessions")) < n:
+        assert time.monotonic() < deadline, f"only {len(live)} replicas came up"
+        time.sleep(0.5)
+    return sorted(live)
+
+
 def test_a_batch_running_during_a_replica_kill_completes_exactly_once(cluster: Cluster) -> None:
     client = sdk(cluster)
+    wait_for_replicas(cluster, 2)
     lines = [
-        {
-            "custom_id": f"line-{i}",
-            "method": "POST",
-            "url": "/v1/chat/completions",
-            "body": {
-                "model": cluster.model,
-                "messages": [{"role": "user", "content": f"batch line {i}"}],
-                "max_tokens": 16,
-            },
-        }
-        for i in range(64)
+        chat_line(f"line-{i}", cluster.model, f"batch line {i}", BATCH_TOKENS, ignore_eos=True)
+        for i in range(BATCH_LINES)
     ]
-    upload = client.files.create(
-        file=("lines.jsonl", "\n".join(json.dumps(x) for x in lines).encode()), purpose="batch"
-    )
+    data = jsonl(lines)
+    file_id = upload(client, data, "lines.jsonl")  # the Files API through the ingress
+    assert client.files.retrieve(file_id).bytes == len(data)
+    assert client.files.content(file_id).content == data
+    assert file_id in {f.id for f in client.files.list()}
     batch = client.batches.create(
-        input_file_id=upload.id, endpoint="/v1/chat/completions", completion_window="24h"
+        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    time.sleep(0.5)
-    replicas = list(metric(cluster, "shoal_num_sessions"))
-    ray.kill(cluster.replica_actor(replicas[0]), no_restart=True)
-    deadline = time.monotonic() + 300
-    while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
-        assert time.monotonic() < deadline, "the batch did not finish"
-        time.sleep(1)
-    assert batch.status == "completed"
-    assert batch.output_file_id is not None
-    results = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines()]
-    assert sorted(r["custom_id"] for r in results) == sorted(x["custom_id"] for x in lines)
+    written = "shoal_batch_requests_total"
+    deadline = time.monotonic() + 120
+    while len(ran := metric(cluster, written, outcome="completed")) < 2 or min(ran.values()) < 2:
+        assert time.monotonic() < deadline, f"the batch did not fan out: {ran}"
+        time.sleep(0.25)  # both replicas run the batch created through one of them
+    victim = sorted(ran)[0]
+    ray.kill(cluster.replica_actor(victim), no_restart=True)  # with lines claimed, in flight
+    assert client.batches.retrieve(batch.id).status == "in_progress"  # the API answers
+    deadline = time.monotonic() + 180
+    while (batch := client.batches.retrieve(batch.id)).status not in TERMINAL:
+        assert time.monotonic() < deadline, f"the batch did not finish: {batch}"
+        time.sleep(0.2)
+    assert batch.status == "completed", batch
+    assert batch.request_counts is not None
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (BATCH_LINES, 0)
+    assert batch.error_file_id is None
+    results = read_lines(client, batch.output_file_id)
+    ids = Counter(r["custom_id"] for r in results)
+    assert sorted(ids) == sorted(x["custom_id"] for x in lines) and set(ids.values()) == {1}
+    tokens = {r["response"]["body"]["usage"]["completion_tokens"] for r in results}
+    assert tokens == {BATCH_TOKENS}

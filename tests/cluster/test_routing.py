@@ -11,6 +11,7 @@ from shoal.cluster.routing import (
     BATCH_KEY,
     Route,
     RoutingStats,
+    SessionHomes,
     rank,
     rendezvous,
     route_for,
@@ -34,7 +35,8 @@ def test_a_request_routes_by_its_session_then_its_prompt() -> None:
     tokens = json.dumps({"prompt": [1, 2, 3]}).encode()
     assert route_for("POST", "/v1/completions", {}, tokens).affinity == "1 2 3"
     for path in ("/v1/files", "/v1/batches/batch_1", "/v1/messages/batches"):
-        assert route_for("GET", path, {}, b"") == Route(affinity=BATCH_KEY)
+        assert route_for("GET", path, {}, b"") == Route(affinity=BATCH_KEY)  # a replica's store
+        assert route_for("GET", path, {}, b"", shared_store=True) == Route()  # any replica
     assert route_for("GET", "/health", {}, b"") == Route()
     assert route_for("POST", "/v1/chat/completions", {}, b"{not json") == Route()
 
@@ -65,6 +67,33 @@ def test_the_home_takes_its_keys_until_it_is_overloaded(loads: dict[str, int], f
     assert sorted(r for group in ranks for r in group) == sorted(replicas)
     if first != "home":
         assert ranks[-1] == ["home"]  # still a last resort
+
+
+def test_sessions_that_start_together_spread_evenly_and_stay_home() -> None:
+    plain = [rendezvous(f"s{i}", ["a", "b"])[0] for i in range(16)]
+    assert plain.count("a") == 3  # hashing alone puts 13 of these 16 on one replica
+    for replicas in (["a", "b"], ["a", "b", "c"]):
+        homes = SessionHomes()
+        placed = {f"s{i}": homes.home(f"s{i}", replicas) for i in range(16)}
+        per = [list(placed.values()).count(r) for r in replicas]
+        assert max(per) - min(per) <= 1, per
+        assert all(homes.home(s, replicas) == r for s, r in placed.items())  # they stay
+    home = homes.home("s0", ["a", "b", "c"])
+    assert rank(Route(session_id="s0"), ["a", "b", "c"], {}, 8, home)[0] == [home]
+
+
+def test_a_session_follows_its_kv_and_leaves_a_dead_replica() -> None:
+    homes = SessionHomes()
+    first = homes.home("s", ["a", "b"])
+    other = "b" if first == "a" else "a"
+    homes.settle("s", other)  # its home was overloaded: the turn ran on the other replica
+    assert homes.home("s", ["a", "b"]) == other  # the next turn follows the KV
+    assert homes.home("s", [first, "c"]) in (first, "c")  # its replica died: placed again
+    assert rendezvous("v", ["a", "b"])[0] == "b"
+    small = SessionHomes(max_sessions=1)
+    small.settle("x", "a")
+    small.settle("y", "b")  # "x" is forgotten: b holds the one session known
+    assert small.home("v", ["a", "b"]) == "a"
 
 
 def test_pinned_and_keyless_requests() -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from shoal import Engine, SamplingParams
 from shoal.engine.session_files import KVLayout, session_key
 from shoal.engine.session_tier import SessionTier
+from shoal.engine.tier_files import MAX_CHUNKS
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13]
@@ -152,7 +153,9 @@ def test_a_damaged_tier_copy_is_recomputed_not_used(
     a = make_engine(model, session_tier_dir=str(tier))
     turn(a, conv[0][0], "s")
     a.sessions.flush()
-    (tensor,) = tier.glob("*/*.safetensors")
+    (manifest,) = tier.glob("*/*.json")
+    first = json.loads(manifest.read_text())["chunks"][0]["file"]
+    tensor = manifest.parent / first
     data = bytearray(tensor.read_bytes())
     data[-3] ^= 0xFF
     tensor.write_bytes(bytes(data))
@@ -189,6 +192,18 @@ class BytesCodec:
         n = len(kv) // (2 * self.layout.block_size)
         return self.layout.shape(n * self.layout.block_size), self.layout.dtype
 
+    def join(self, parts: list[bytes]) -> bytes:
+        return b"".join(parts)
+
+
+def kv_of(tier: SessionTier, block_ids: list[int]) -> bytes:
+    """The bytes a copy of `block_ids` loads as."""
+    return BytesCodec(tier.layout).encode(block_ids)[1]
+
+
+def chunk_files(tier: SessionTier) -> set[str]:
+    return {p.name for p in tier.dir.glob("*.safetensors")}
+
 
 def test_an_older_turn_never_replaces_a_later_one(tmp_path: Path) -> None:
     layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
@@ -207,8 +222,77 @@ def test_an_older_turn_never_replaces_a_later_one(tmp_path: Path) -> None:
     assert tier.drain(10)
     m = tier.peek("s")
     assert m is not None and m.token_ids == other
-    assert len(list(tier.dir.glob("*.safetensors"))) == 1  # the replaced tensor file is gone
+    assert chunk_files(tier) == m.files  # the replaced chunks are gone
+    assert tier.load(m) == kv_of(tier, [7, 8])
     manifest = json.loads((tier.dir / f"{session_key('s')}.json").read_text())
     assert manifest["fingerprint"] == "fp"
     tier.delete("s")
     assert tier.peek("s") is None and not list(tier.dir.iterdir())
+
+
+def test_a_later_turn_writes_only_its_new_blocks(tmp_path: Path) -> None:
+    layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
+    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
+    turn1 = list(range(1, 10))  # blocks 0-1 full, block 2 holds one token
+    tier.publish("s", turn1, [11, 12, 13], 1.0)
+    assert tier.drain(10)
+    m1 = tier.peek("s")
+    assert m1 is not None
+    assert [(c.first_block, c.num_blocks) for c in m1.chunks] == [(0, 2), (2, 1)]
+    turn2 = [*turn1, 10, 11, 12, 13, 14]  # blocks 0-2 full, block 3 holds two tokens
+    tier.publish("s", turn2, [11, 12, 13, 14], 2.0)
+    assert tier._pending["s"].nbytes == 2  # only blocks 2 and 3 are copied
+    assert tier.drain(10)
+    m2 = tier.peek("s")
+    assert m2 is not None and m2.token_ids == turn2
+    assert m2.chunks[0] == m1.chunks[0]  # kept, not written again
+    assert [(c.first_block, c.num_blocks) for c in m2.chunks] == [(0, 2), (2, 1), (3, 1)]
+    assert chunk_files(tier) == m2.files  # turn 1's last block went with its manifest
+    other = SessionTier(layout, tmp_path, BytesCodec(layout))  # another engine reads it whole
+    assert other.load(m2) == kv_of(tier, [11, 12, 13, 14])
+    edited = [*turn1[:5], 99, 98, 97, 96, 95]  # the history changed in block 1, which the
+    tier.publish("s", edited, [11, 22, 23], 3.0)  # first chunk holds: nothing is kept
+    assert tier._pending["s"].nbytes == 3
+    assert tier.drain(10)
+    m3 = tier.peek("s")
+    assert m3 is not None and [(c.first_block, c.num_blocks) for c in m3.chunks] == [(0, 2), (2, 1)]
+    assert not m3.files & m2.files
+    assert other.load(m3) == kv_of(tier, [11, 22, 23]) and chunk_files(tier) == m3.files
+
+
+def test_a_long_session_keeps_a_short_chain(tmp_path: Path) -> None:
+    layout = KVLayout("fp", "uint8", 2, 1, 1, 1)
+    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
+    tokens: list[int] = []
+    for t in range(3 * MAX_CHUNKS):
+        tokens += [t, t + 1, t + 2]  # each turn fills a block and a half
+        blocks = list(range(100, 100 + (len(tokens) + 1) // 2))
+        tier.publish("s", tokens, blocks, float(t))
+        assert tier.drain(10)
+        m = tier.peek("s")
+        assert m is not None and len(m.chunks) <= MAX_CHUNKS
+        assert tier.load(m) == kv_of(tier, blocks), f"turn {t + 1}"
+    assert chunk_files(tier) == m.files
+    assert tier.stats.writes == 3 * MAX_CHUNKS and tier.stats.write_failures == 0
+
+
+def test_chunks_removed_under_a_writer_drop_its_write_and_the_next_is_whole(
+    tmp_path: Path,
+) -> None:
+    layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
+    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
+    tier.publish("s", list(range(1, 10)), [1, 2, 3], 1.0)
+    assert tier.drain(10)
+    m1 = tier.peek("s")
+    assert m1 is not None
+    (tier.dir / m1.chunks[0].file).unlink()  # another writer replaced the conversation
+    turn2 = list(range(1, 15))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tier.publish("s", turn2, [1, 2, 3, 4], 2.0)
+        assert tier.drain(10)
+    assert tier.stats.write_failures == 1 and any("removed" in str(w.message) for w in caught)
+    tier.publish("s", turn2, [1, 2, 3, 4], 3.0)  # the next turn is written whole
+    assert tier.drain(10)
+    m = tier.peek("s")
+    assert m is not None and m.token_ids == turn2 and tier.load(m) == kv_of(tier, [1, 2, 3, 4])
