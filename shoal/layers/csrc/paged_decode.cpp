@@ -52,29 +52,15 @@ void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table
                 std::vector<float>& acc) {
   constexpr int NV = DIM / kLanes;
   const int64_t group = s.heads / s.kv_heads, heads = s.heads, kv_heads = s.kv_heads;
-  const int64_t token_stride = kv_heads * DIM, bs = s.block_size;
-  const int64_t token_bytes = token_stride * int64_t(sizeof(KV));
+  const int64_t token_stride = kv_heads * DIM;
   scores.resize(heads * len + TU * token_stride);  // the tail widens bfloat16 rows
   float* sc = scores.data();
   float* wide = sc + heads * len;
-  // Calls fn(first token, count, rows) for runs of up to TU tokens within a block, and
-  // prefetches the same tokens of the next block.
   auto walk = [&](const KV* cache, auto&& fn) {
-    for (int64_t start = 0; start < len; start += bs) {
-      const int64_t n = std::min(bs, len - start), j = start / bs;
-      const KV* block = cache + table[j] * bs * token_stride;
-      const char* next = start + n < len
-                             ? reinterpret_cast<const char*>(cache + table[j + 1] * bs * token_stride)
-                             : nullptr;
-      for (int64_t i = 0; i < n; i += TU) {
-        const int64_t m = std::min<int64_t>(TU, n - i);
-        if (next) {
-          for (int64_t off = i * token_bytes; off < (i + m) * token_bytes; off += 64)
-            __builtin_prefetch(next + off);
-        }
-        fn(start + i, m, as_float(block + i * token_stride, m, token_stride, wide));
-      }
-    }
+    shoal::for_each_run<TU>(cache, table, len, s.block_size, token_stride,
+                            [&](int64_t t, int64_t m, const KV* rows) {
+                              fn(t, m, as_float(rows, m, token_stride, wide));
+                            });
   };
   walk(kc, [&](int64_t t, int64_t m, const float* k) {
     if constexpr (NV * TU <= 16) {  // the TU key rows of a kv head fit in registers
@@ -157,29 +143,6 @@ void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table
 #endif
 
 #if defined(__AVX512BF16__)
-// Calls fn(first token, count, rows) for runs of up to TU tokens of one block, in order, and
-// prefetches the same tokens of the next block (blocks sit anywhere in the pool).
-template <typename KV, typename Fn>
-inline void walk_runs(const KV* cache, const int64_t* table, int64_t len, int64_t bs,
-                      int64_t token_stride, Fn&& fn) {
-  const int64_t token_bytes = token_stride * int64_t(sizeof(KV));
-  for (int64_t start = 0; start < len; start += bs) {
-    const int64_t n = std::min(bs, len - start), j = start / bs;
-    const KV* block = cache + table[j] * bs * token_stride;
-    const char* next = start + n < len
-                           ? reinterpret_cast<const char*>(cache + table[j + 1] * bs * token_stride)
-                           : nullptr;
-    for (int64_t i = 0; i < n; i += TU) {
-      const int64_t m = std::min<int64_t>(TU, n - i);
-      if (next) {
-        for (int64_t off = i * token_bytes; off < (i + m) * token_bytes; off += 64)
-          __builtin_prefetch(next + off);
-      }
-      fn(start + i, m, block + i * token_stride);
-    }
-  }
-}
-
 // bfloat16 queries over a bfloat16 cache with AVX512_BF16 (Zen 4, Sapphire Rapids): VDPBF16PS
 // multiplies pairs of bfloat16 and accumulates in float32, 32 products an instruction, so no
 // key or value is ever widened. One streaming pass over the keys, four tokens at a time: each
@@ -196,7 +159,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
   sc.resize(heads * len);
   float* scores = sc.data();
   auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
-  walk_runs(kc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* k) {
+  shoal::for_each_run<TU>(kc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* k) {
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       if (m == TU) {
         __m512bh key[TU][NP];
@@ -229,7 +192,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
   acc.assign(heads * DIM, 0.0f);
   float* a = acc.data();
   const __m512i zero = _mm512_setzero_si512();
-  walk_runs(vc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* v) {
+  shoal::for_each_run<TU>(vc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t m, const uint16_t* v) {
     const int64_t pairs = (m + 1) / 2;  // an odd last token pairs with a zero row
     for (int64_t g = 0; g < s.kv_heads; ++g) {
       __m512bh lo[TU / 2][NP], hi[TU / 2][NP];
