@@ -84,7 +84,8 @@ def profiled(llm: Any) -> Iterator[OpProfile]:
         (model_runner, "sample", "sampling"),
         (RMSNorm, "forward", "norms + residual adds"),
         (RMSNorm, "add_forward", "norms + residual adds"),
-        (llama.MLP, "forward", "SiLU x up"),
+        (CpuKernels, "silu_mul", "SiLU x up"),
+        (linear.GateUpProjection, "forward", "projections"),
         (llama, "rope_and_store", "rotary + KV writes"),
         (llama, "paged_attention", "attention glue"),
         (attention, "prefill_attention", "attention prefill"),
@@ -152,7 +153,9 @@ def describe_paths(llm: Any) -> list[str]:
     isa = "none (pure torch)" if kernels is None else f"{kernels.isa} (-march=native)"
     path = {
         "gemm": "shoal's gemm.cpp (AVX2 + FMA)",
-        "gemm-bf16": "shoal's gemm_bf16.cpp (VDPBF16PS)",
+        "gemm512": "shoal's gemm512.cpp ("
+        + ("VDPBF16PS" if act == torch.bfloat16 else "AVX-512 FMA")
+        + "), SiLU x up in the gate-up epilogue",
         "torch": "torch F.linear",
     }.get(linear.projection_path(act, weight), "")
     if not path:
@@ -166,6 +169,6 @@ def describe_paths(llm: Any) -> list[str]:
         + ("C++ paged kernel" if decode else "torch gather + SDPA")
         + (" (VDPBF16PS)" if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
         "  prefill attention: " + ("C++ paged flash kernel" if prefill else "torch SDPA per chunk"),
-        "  norms, SiLU x up, rotary + KV writes: "
+        "  norms, rotary + KV writes (and SiLU x up unless fused): "
         + ("C++ fused kernels" if kernels is not None and kernels.elementwise(act) else "torch"),
     ]

@@ -7,7 +7,8 @@ The engine uses the build for `-march=native`: the compiler picks the vector ISA
 (AVX-512, AVX2 + FMA, Arm's NEON/SVE), and `csrc/simd.h` adds explicit vector code for the first
 two; `CpuKernels.isa` says which one a build holds. Other targets can be built on the same
 machine (`build("x86-64-v3")` is the AVX2 + FMA path), which is how the tests run every path
-this CPU can execute. The matrix products need AVX2 + FMA and exist only in such builds.
+this CPU can execute. The matrix products need AVX2 + FMA (`gemm.cpp`) or AVX-512
+(`gemm512.cpp`) and exist only in such builds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _DECODE_ARGS = [_P] * 6 + [_I] * 6 + [_D, _I]
 _PREFILL_ARGS = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _D, _I]
 _GEMM_ARGS = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I]
+_GEMM512_ARGS = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
 _ROPE_ARGS = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I]
 _SIGNATURES: dict[str, list[Any]] = {
     "paged_decode_f32": _DECODE_ARGS,
@@ -39,7 +41,8 @@ _SIGNATURES: dict[str, list[Any]] = {
     "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
     "gemm_f32": _GEMM_ARGS,
     "gemm_bf16w": _GEMM_ARGS,
-    "gemm_bf16": _GEMM_ARGS,
+    "gemm512_f32": _GEMM512_ARGS,
+    "gemm512_bf16": _GEMM512_ARGS,
     "rope_store_f32_bf16kv": _ROPE_ARGS,
     "scatter_blocks": [_P, _P, _I, _P, _I, _I, _I],
     "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
@@ -62,6 +65,15 @@ _PREFILL = {  # (query dtype, KV cache dtype)
     (torch.float32, torch.bfloat16): "paged_prefill_f32_bf16kv",
 }
 _GEMM = {torch.float32: "gemm_f32", torch.bfloat16: "gemm_bf16w"}
+_GEMM512 = {torch.float32: "gemm512_f32", torch.bfloat16: "gemm512_bf16"}
+
+
+def _product_out(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """An `[m, n]` output for a product kernel. Rows a multiple of 1 KiB apart map to the same
+    few cache sets, and the kernels write a 16-column strip down all rows at once: SmolLM2's LM
+    head (49152 columns) ran 3x slower. Such rows get a panel of padding."""
+    ldc = n + PANEL if n % 256 == 0 else n
+    return torch.empty(m, ldc, dtype=dtype)[:, :n]
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -101,11 +113,7 @@ class CpuKernels:
             x = x.contiguous()
         m, k = x.shape
         assert packed.shape[1] == k and (bias is None or bias.dtype == torch.float32)
-        # Rows a multiple of 1 KiB apart map to the same few cache sets, and the kernel writes
-        # a 16-column strip down all rows at once: SmolLM2's LM head (49152 columns) ran 3x
-        # slower.
-        ldc = n + PANEL if n % 256 == 0 else n
-        out = torch.empty(m, ldc, dtype=torch.float32)[:, :n]
+        out = _product_out(m, n, torch.float32)
         self._fn(_GEMM[packed.dtype])(
             x.data_ptr(),
             m,
@@ -114,37 +122,48 @@ class CpuKernels:
             packed.data_ptr(),
             n,
             out.data_ptr(),
-            ldc,
+            out.stride(0),
             _ptr(bias),
             _threads(),
         )
         return out
 
-    def has_bf16_gemm(self) -> bool:
-        """Whether bfloat16 activations meet a pair-packed bfloat16 weight here (VDPBF16PS)."""
-        return hasattr(self.lib, "gemm_bf16")
+    def has_gemm512(self, dtype: torch.dtype) -> bool:
+        """Whether `dtype` rows meet a weight of `dtype` in the AVX-512 kernel here (bfloat16
+        takes AVX512_BF16)."""
+        return hasattr(self.lib, _GEMM512.get(dtype, "-"))
 
-    def gemm_bf16(
-        self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+    def gemm512(
+        self,
+        x: torch.Tensor,
+        packed: torch.Tensor,
+        n: int,
+        bias: torch.Tensor | None,
+        silu: bool = False,
     ) -> torch.Tensor:
-        """`x @ W.T + bias` for bfloat16 rows `x` `[M, K]` (K even) and a weight packed by
-        `pack_weight_pairs`; float32 sums rounded to bfloat16 once, bias (float32) included."""
-        assert x.dtype == torch.bfloat16 and x.dim() == 2
+        """`x @ W.T + bias` for rows `x` `[M, K]` and a weight of x's dtype packed by
+        `pack_for_gemm512` (float32 sums, rounded once; `bias` float32 in panel order, see
+        `pack_bias`). With `silu`, W is `pack_gate_up`'s and the result is silu(gate) * up,
+        `n` its columns."""
+        assert x.dim() == 2 and packed.dtype == x.dtype
         if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
-        assert packed.shape[1] * 2 == k and (bias is None or bias.dtype == torch.float32)
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        self._fn("gemm_bf16")(
+        panels = packed.shape[0]
+        assert packed[0].numel() == k * PANEL and (bias is None or bias.numel() == panels * PANEL)
+        out = _product_out(m, n, x.dtype)
+        self._fn(_GEMM512[x.dtype])(
             x.data_ptr(),
             m,
             k,
             x.stride(0),
             packed.data_ptr(),
+            panels,
             n,
             out.data_ptr(),
-            n,
+            out.stride(0),
             _ptr(bias),
+            int(silu),
             _threads(),
         )
         return out
@@ -371,21 +390,43 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     return kernels if kernels is not None and kernels.elementwise(x.dtype) else None
 
 
-def pack_weight_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` bfloat16 -> `[ceil(N / 16), K / 2, 16, 2]`: panels of 16 output columns, k in
-    pairs (the layout VDPBF16PS multiplies), zero-padded columns. K must be even."""
-    n, k = weight.shape
-    assert k % 2 == 0, "pairs of k"
-    pad = -n % PANEL
-    if pad:
-        weight = torch.cat([weight, weight.new_zeros(pad, k)])
-    return weight.reshape(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
+    pad = -weight.shape[0] % PANEL
+    return torch.cat([weight, weight.new_zeros(pad, *weight.shape[1:])]) if pad else weight
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`[N, K]` -> `[ceil(N / 16), K, 16]`: panels of 16 output columns, k-major, zero-padded."""
-    n, k = weight.shape
-    pad = -n % PANEL
-    if pad:
-        weight = torch.cat([weight, weight.new_zeros(pad, k)])
-    return weight.reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+    k = weight.shape[1]
+    return _pad_rows(weight).reshape(-1, PANEL, k).transpose(1, 2).contiguous()
+
+
+def pack_weight_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """`[N, K]` bfloat16 -> `[ceil(N / 16), K / 2, 16, 2]`: panels of 16 output columns, k in
+    pairs (the layout VDPBF16PS multiplies), zero-padded columns. K must be even."""
+    k = weight.shape[1]
+    assert k % 2 == 0, "pairs of k"
+    return _pad_rows(weight).reshape(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
+
+
+def pack_for_gemm512(weight: torch.Tensor) -> torch.Tensor:
+    """The AVX-512 kernel's layout for a weight of its dtype (float32 or bfloat16)."""
+    return pack_weight_pairs(weight) if weight.dtype == torch.bfloat16 else pack_weight(weight)
+
+
+def pack_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
+    """A bias as the AVX-512 kernel reads it: float32, zero-padded to whole panels."""
+    return None if bias is None else _pad_rows(bias.detach().float())
+
+
+def pack_gate_up(
+    weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A `[2N, K]` gate-up weight (gate rows first) packed for `gemm512(..., silu=True)`: gate
+    panel q, then up panel q; the bias (if any) in the same order."""
+    gate, up = weight.chunk(2)
+    packed = torch.stack([pack_for_gemm512(gate), pack_for_gemm512(up)], 1).flatten(0, 1)
+    if bias is None:
+        return packed, None
+    halves = [_pad_rows(h.detach().float()).view(-1, PANEL) for h in bias.chunk(2)]
+    return packed, torch.stack(halves, 1).flatten()

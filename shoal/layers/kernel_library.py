@@ -29,7 +29,7 @@ _SOURCES = (
     "paged_decode.cpp",
     "paged_prefill.cpp",
     "gemm.cpp",
-    "gemm_bf16.cpp",
+    "gemm512.cpp",
     "elementwise.cpp",
     "blocks.cpp",
 )

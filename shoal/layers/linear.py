@@ -1,15 +1,15 @@
 """Dense projections, each through the fastest path this CPU runs correctly.
 
-- bfloat16 activations x bfloat16 weights (CPUs with native bfloat16 dot products, see
-  `cpu_features`): with AVX512_BF16, shoal's own VDPBF16PS kernel (`csrc/gemm_bf16.cpp`, the
-  weight packed in k-pairs; 5-10% over oneDNN on the engine's shapes on a Zen 4 core), unless
-  the CPU has AMX, whose tiles oneDNN drives; elsewhere oneDNN's packed path. All accumulate in
-  float32, at about twice the float32 rate or more.
+- AVX-512 CPUs, float32 x float32, and bfloat16 x bfloat16 where the CPU has AVX512_BF16 but
+  no AMX: shoal's own kernel (`csrc/gemm512.cpp`; bfloat16 through VDPBF16PS, the weight
+  packed in k-pairs, at about twice the float32 rate). On the engine's shapes it matches oneDNN
+  in float32 and beats it by 5-10% in bfloat16 on a Zen 4 core, and it fuses what follows the
+  gate-up product (`GateUpProjection`), which oneDNN's packed path cannot.
 - float32 activations on an AVX2 + FMA CPU without AVX-512: shoal's own kernel
   (`csrc/gemm.cpp`) against a float32 or bfloat16 weight packed once into 16-column panels: on
   the engine's small-K shapes it ran closer to a Zen 3's peak than oneDNN, and it is the only
   fast bfloat16-weight path on CPUs without native bfloat16 (`benchmarks/matmul_backends.py`).
-- float32 on AVX-512 CPUs: oneDNN's packed path (its `avx512_core` kernels).
+- bfloat16 x bfloat16 elsewhere (AMX, whose tiles oneDNN drives; Arm): oneDNN's packed path.
 - Elsewhere `F.linear`. oneDNN's packed bfloat16 path needs AVX512-BW/VL/DQ or AVX-NE-CONVERT
   and raises on CPUs without them, so whether it runs is probed once per dtype.
 
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shoal.layers import cpu_kernels
-from shoal.layers.cpu_features import has_amx, has_avx512, native_bf16
+from shoal.layers.cpu_features import has_amx, native_bf16
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -56,17 +56,15 @@ def native_bf16_products() -> bool:
 
 @functools.cache
 def projection_path(act: torch.dtype, weight: torch.dtype) -> str:
-    """How CPU products of these dtypes run: "gemm" (shoal's AVX2 kernel, float32 activations),
-    "gemm-bf16" (shoal's VDPBF16PS kernel), "onednn" or "torch"."""
+    """How CPU products of these dtypes run: "gemm512" (shoal's AVX-512 kernel), "gemm"
+    (shoal's AVX2 kernel, float32 activations), "onednn" or "torch"."""
     kernels = cpu_kernels.native()
-    gemm = act == torch.float32 and kernels is not None and kernels.has_gemm(weight)
-    # On AVX-512 CPUs oneDNN's own float32 kernels are as fast or faster.
-    if gemm and (weight != torch.float32 or not (has_avx512() and onednn_packs(weight))):
-        return "gemm"
     # oneDNN drives AMX tiles, far faster than any VDPBF16PS kernel, where the CPU has them.
-    own_bf16 = kernels is not None and kernels.has_bf16_gemm() and not has_amx()
-    if act == weight == torch.bfloat16 and own_bf16:
-        return "gemm-bf16"
+    amx_bf16 = act == torch.bfloat16 and has_amx()
+    if kernels is not None and act == weight and kernels.has_gemm512(act) and not amx_bf16:
+        return "gemm512"
+    if act == torch.float32 and kernels is not None and kernels.has_gemm(weight):
+        return "gemm"
     if act == weight and onednn_packs(weight):
         return "onednn"
     return "torch"
@@ -78,7 +76,7 @@ def _pack_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 _PACKERS = {
     "gemm": cpu_kernels.pack_weight,
-    "gemm-bf16": cpu_kernels.pack_weight_pairs,
+    "gemm512": cpu_kernels.pack_for_gemm512,
     "onednn": _pack_onednn,
 }
 
@@ -88,27 +86,30 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self._packed: torch.Tensor | None = None  # the weight in the layout of `_packed_for`
+        # The weight (and bias) in the layout of `_packed_for`: each layer only takes one path.
+        self._packed: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self._packed_for = ""
-        self._bias32: torch.Tensor | None = None  # shoal's kernels add a float32 bias
 
-    def _packed_weight(self, path: str) -> torch.Tensor:
-        """The weight packed once for `path` (each layer only ever takes one path)."""
+    def _pack(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The weight in `path`'s layout and the bias as shoal's kernels add it (float32,
+        zero-padded to whole panels)."""
+        return _PACKERS[path](self.weight.detach()), cpu_kernels.pack_bias(self.bias)
+
+    def _packed_weight(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._packed is None or self._packed_for != path:
-            self._packed = _PACKERS[path](self.weight.detach())
-            self._packed_for = path
-            self._bias32 = None if self.bias is None else self.bias.detach().float()
+            self._packed, self._packed_for = self._pack(path), path
         return self._packed
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _path(self, x: torch.Tensor) -> str:
         w = self.weight
-        n, k = w.shape
         path = projection_path(x.dtype, w.dtype) if x.device.type == "cpu" else "torch"
-        if path == "gemm-bf16" and k % 2:  # the kernel takes k in pairs
-            path = "onednn" if onednn_packs(w.dtype) else "torch"
-        if path == "torch":
-            return nn.functional.linear(x, w, self.bias)
-        packed = self._packed_weight(path)
+        if path == "gemm512" and w.dtype == torch.bfloat16 and w.shape[1] % 2:
+            path = "onednn" if onednn_packs(w.dtype) else "torch"  # the kernel takes k in pairs
+        return path
+
+    def _product(self, x: torch.Tensor, path: str, silu: bool = False) -> torch.Tensor:
+        """x through shoal's kernel or oneDNN (`path`), `silu` only with "gemm512"."""
+        packed, bias = self._packed_weight(path)
         if path == "onednn":
             # A strided operand takes oneDNN's reference path, about 1000x slower.
             return torch.ops.mkldnn._linear_pointwise(
@@ -116,6 +117,40 @@ class Linear(nn.Module):
             )
         kernels = cpu_kernels.native()
         assert kernels is not None
+        n, k = self.weight.shape
         rows = x.reshape(-1, k)
-        gemm = kernels.gemm if path == "gemm" else kernels.gemm_bf16
-        return gemm(rows, packed, n, self._bias32).view(*x.shape[:-1], n)
+        if path == "gemm":
+            out = kernels.gemm(rows, packed, n, bias)
+        else:
+            n = n // 2 if silu else n
+            out = kernels.gemm512(rows, packed, n, bias, silu=silu)
+        return out.view(*x.shape[:-1], n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        path = self._path(x)
+        if path == "torch":
+            return nn.functional.linear(x, self.weight, self.bias)
+        return self._product(x, path)
+
+
+class GateUpProjection(Linear):
+    """A gated MLP's gate and up projections in one product (weight `[gate; up]`), returning
+    silu(gate) * up: inside the product's epilogue on the AVX-512 kernel (the `[tokens, 2 x
+    intermediate]` product is never written out), else one C++ pass or torch after it."""
+
+    def _pack(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if path == "gemm512":
+            return cpu_kernels.pack_gate_up(self.weight.detach(), self.bias)
+        return super()._pack(path)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        path = self._path(x)
+        if path == "gemm512":
+            return self._product(x, path, silu=True)
+        gate_up = super().forward(x)
+        kernels = cpu_kernels.for_tensor(gate_up)
+        if kernels is not None and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+            return kernels.silu_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        # In place, on the product's own output: two fewer [tokens, intermediate] temporaries.
+        return nn.functional.silu(gate, inplace=True).mul_(up)

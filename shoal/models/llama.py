@@ -4,8 +4,9 @@ Weights arrive as a state dict with Hugging Face names; q/k/v and gate/up projec
 fused at load so each layer runs three large products instead of six small ones.
 
 The residual stream is carried beside the layers' outputs, so each residual add is fused into
-the RMSNorm that follows it (`RMSNorm.add_forward`, as vLLM does); SiLU × up and the rotary
-embedding with the KV-cache write are single C++ passes on the CPU.
+the RMSNorm that follows it (`RMSNorm.add_forward`, as vLLM does); SiLU × up runs in the
+gate-up product's epilogue (`GateUpProjection`), and the rotary embedding with the KV-cache
+write is a single C++ pass on the CPU.
 
 On a CPU without native bfloat16 arithmetic, bfloat16 weights run best with float32
 activations: the products widen the weight in their kernel (halving its memory traffic, fp32
@@ -21,9 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, paged_attention, rope_and_store
-from shoal.layers.linear import Linear
+from shoal.layers.linear import GateUpProjection, Linear
 from shoal.layers.norm import RMSNorm
 from shoal.layers.rotary import Rope, RotaryEmbedding
 from shoal.models.config import ModelConfig
@@ -74,18 +74,11 @@ class MLP(nn.Module):
     def __init__(self, w: Weights, prefix: str) -> None:
         super().__init__()
         gate, up = w.pop(f"{prefix}.gate_proj.weight"), w.pop(f"{prefix}.up_proj.weight")
-        self.intermediate = gate.shape[0]
-        self.gate_up_proj = Linear(torch.cat([gate, up]))
+        self.gate_up_proj = GateUpProjection(torch.cat([gate, up]))
         self.down_proj = Linear(w.pop(f"{prefix}.down_proj.weight"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        kernels = cpu_kernels.for_tensor(gate_up)
-        if kernels is not None and gate_up.stride(-1) == 1:
-            return self.down_proj(kernels.silu_mul(gate_up))
-        gate, up = gate_up.split(self.intermediate, dim=-1)
-        # In place, on the product's own output: two fewer [tokens, intermediate] temporaries.
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))
+        return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):

@@ -128,21 +128,55 @@ def test_gemm_matches_float64(
     )
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 8, 16), (7, 40, 37), (13, 64, 100), (100, 34, 130)])
-def test_bf16_gemm_matches_float64(kernels: CpuKernels, m: int, k: int, n: int) -> None:
-    """VDPBF16PS on k pairs: every tile height and width, partial panels, a bias, strided rows."""
-    if not kernels.has_bf16_gemm():
-        pytest.skip(f"the {kernels.march} build has no AVX512_BF16 kernel (this CPU or target)")
+_GEMM512_SHAPES = [(1, 8, 16), (7, 40, 37), (13, 64, 100), (100, 34, 130), (5, 24, 512)]
+
+
+def _gemm512_case(
+    kernels: CpuKernels, dtype: torch.dtype, m: int, k: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not kernels.has_gemm512(dtype):
+        need = "AVX512_BF16" if dtype == torch.bfloat16 else "AVX-512"
+        pytest.skip(f"the {kernels.march} build has no {need} kernel (this CPU or target)")
     gen = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    bias = torch.randn(n, generator=gen)
-    x = torch.randn(m, k + 4, generator=gen).bfloat16()[:, 2 : k + 2]  # strided rows
-    packed = cpu_kernels.pack_weight_pairs(w)
-    assert packed.shape == (-(-n // 16), k // 2, 16, 2)
-    got = kernels.gemm_bf16(x, packed, n, bias)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    x = torch.randn(m, k + 4, generator=gen).to(dtype)[:, 2 : k + 2]  # strided rows
+    return x, w, bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k", "n"), _GEMM512_SHAPES)
+def test_gemm512_matches_float64(
+    kernels: CpuKernels, dtype: torch.dtype, m: int, k: int, n: int
+) -> None:
+    """Every tile height and width, partial panels, a bias, strided rows and an output row
+    padded off a multiple of 1 KiB (512 columns); bfloat16 sums are rounded once."""
+    x, w, bias = _gemm512_case(kernels, dtype, m, k, n)
+    packed = cpu_kernels.pack_for_gemm512(w)
+    assert packed.shape[0] == -(-n // 16) and packed[0].numel() == k * 16
+    got = kernels.gemm512(x, packed, n, cpu_kernels.pack_bias(bias))
     expected = F.linear(x.double(), w.double(), bias.double())
-    assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.double(), expected, atol=2e-2, rtol=1e-2)
+    assert got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.double(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("m", "k", "n"), _GEMM512_SHAPES)
+def test_gemm512_silu_epilogue_equals_the_separate_pass(
+    kernels: CpuKernels, dtype: torch.dtype, m: int, k: int, n: int
+) -> None:
+    """silu(gate) * up in the product's epilogue is the product followed by `silu_mul` (the same
+    roundings; the vector exp may differ in its last bit, which can move a bfloat16 result by
+    one unit), gate and up panels interleaved, half-panels padded."""
+    x, w, bias = _gemm512_case(kernels, dtype, m, k, 2 * n)
+    packed = cpu_kernels.pack_for_gemm512(w)
+    unfused = kernels.gemm512(x, packed, 2 * n, cpu_kernels.pack_bias(bias))
+    packed, packed_bias = cpu_kernels.pack_gate_up(w, bias)
+    got = kernels.gemm512(x, packed, n, packed_bias, silu=True)
+    assert got.shape == (m, n)
+    tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]  # one unit in the last place
+    torch.testing.assert_close(got, kernels.silu_mul(unfused), atol=1e-6, rtol=tol)
 
 
 _TOL = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 2e-2}

@@ -62,17 +62,13 @@ void rms_norm(const T* x, int64_t ldx, T* residual, const T* w, T* out, int64_t 
 template <typename T>
 void silu_mul(const T* gate_up, int64_t ld, T* out, int64_t rows, int64_t n,
               int64_t num_threads) {
-  using A = shoal::acc_t<T>;
 #pragma omp parallel for num_threads(threads_for(rows * n, rows, num_threads))
   for (int64_t r = 0; r < rows; ++r) {
     const T* g = gate_up + r * ld;
     const T* u = g + n;
     T* o = out + r * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) {
-      const A gi = widen(g[i]);
-      o[i] = narrow<T>(widen(narrow<T>(gi / (A(1) + std::exp(-gi)))) * widen(u[i]));
-    }
+    for (int64_t i = 0; i < n; ++i) o[i] = shoal::silu_times<T>(widen(g[i]), widen(u[i]));
   }
 }
 

@@ -10,6 +10,7 @@
 
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -48,6 +49,13 @@ inline T narrow(A x) {
 // The arithmetic type for a storage type: float for float32 and bfloat16, double for double.
 template <typename T>
 using acc_t = decltype(widen(T{}));
+
+// silu(g) * u, rounded to T after the SiLU and after the product, as transformers rounds them.
+template <typename T>
+inline T silu_times(acc_t<T> g, acc_t<T> u) {
+  using A = acc_t<T>;
+  return narrow<T>(widen(narrow<T>(g / (A(1) + std::exp(-g)))) * u);
+}
 
 #if defined(__AVX512F__)
 #define SHOAL_ISA "avx512"
