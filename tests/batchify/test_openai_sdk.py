@@ -142,13 +142,14 @@ async def test_expired_requests_raise_a_typed_error(
     start_server: Any, scope_kw: dict[str, Any]
 ) -> None:
     """One request at a time in a 1 s window: the later ones expire, the finished ones
-    still come back (output and error files are merged)."""
+    still come back (output and error files are merged). 12 x 400 tokens one after another
+    take several seconds even on a fast CPU (6 x 200 once all fitted in the window)."""
     live = start_server(batch_window_s=1, batch_concurrency=1)
     client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="k", max_retries=0)
-    kw = chat_kw(live.model, "Hello", max_tokens=200, extra_body={"ignore_eos": True})
+    kw = chat_kw(live.model, "Hello", max_tokens=400, extra_body={"ignore_eos": True})
     async with batchify(**scope_kw):
         got = await asyncio.gather(
-            *(client.chat.completions.create(**{**kw, "seed": i}) for i in range(6)),
+            *(client.chat.completions.create(**{**kw, "seed": i}) for i in range(12)),
             return_exceptions=True,
         )
     expired = [g for g in got if isinstance(g, BatchExpiredError)]
