@@ -6,8 +6,10 @@ greedy. In the constrained run every other request must write a JSON array of at
 records, which it cannot finish in 128 tokens, so both runs generate exactly 64 x 128 tokens
 and their wall times compare the same work; four record schemas over the 32 constrained rows
 give the grammar cache its hits. Each run is repeated (alternating, best of `--repeats`) since
-the machine may be shared; the time spent filling and applying masks (`Grammars.mask`) and
-advancing matchers is measured apart. Compiles happen in `add_request`, inside the timed run.
+the machine may be shared; prefix caching is off, so every repeat does all of W1's prefill
+again instead of reusing the first run's. The time spent filling and applying masks
+(`Grammars.mask`) and advancing matchers is measured apart. Compiles happen in `add_request`,
+inside the timed run.
 
     .venv/bin/python benchmarks/structured_overhead.py [--num-requests 64] [--max-tokens 128]
         [--repeats 3]
@@ -79,7 +81,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
 
-    llm = LLM()
+    llm = LLM(enable_prefix_caching=False)  # every repeat prefills its prompts again
     work = w1_workload(llm.engine.model_config.vocab_size, args.num_requests, args.max_tokens)
     plain = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     mixed = [
