@@ -10,6 +10,7 @@ derived from the intent's tag, so they are the same in every run.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -101,7 +102,7 @@ class Job:
                 await asyncio.to_thread(cache.write_intent, self.intent, rows)
             self._fault("intent_written")
             items = [(cid, p.call.body) for cid, p in self.waiting.items()]
-            batch_id, results = await self._create(items)
+            batch_id, results = await self._create_uninterrupted(items)
             submitted = True
             self._fault("submitted")
             if cache is not None:
@@ -173,6 +174,23 @@ class Job:
             [p.call.body for p in pending],
         )
         return BatchLease(self.env.quota, spec, job_id=self.tag)
+
+    async def _create_uninterrupted(
+        self, items: list[tuple[str, dict]]
+    ) -> tuple[str, Results | None]:
+        """`_create`, finished even when this job is cancelled meanwhile (a scope closing with
+        `cancel_on_abort`): the provider may already hold the batch, and only once its id is
+        known can it be cancelled instead of left running, and paid for, at the provider."""
+        create = asyncio.ensure_future(self._create(items))
+        try:
+            batch_id, results = await asyncio.shield(create)
+        except asyncio.CancelledError:
+            # If nothing was created, or it cannot be known, there is nothing to cancel.
+            with contextlib.suppress(Exception):
+                self.intent.batch_id = (await create)[0]
+            raise
+        self.intent.batch_id = batch_id
+        return batch_id, results
 
     async def _create(self, items: list[tuple[str, dict]]) -> tuple[str, Results | None]:
         backoff = self.env.retry_backoff()
