@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ from typing import Any
 import httpx
 import httpx2
 import openai
+from serve_process import free_port
 
 from shoal.batchify import batchify
 from shoal.batchify.adapters import ADAPTERS
@@ -68,12 +68,6 @@ def cpu_line() -> str:
         f"CPU: {info.get('Model name', '?').strip()}, family {info.get('CPU family', '?').strip()}"
         f", model {info.get('Model', '?').strip()}, {os.cpu_count()} cores, flags {' '.join(shown)}"
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen[bytes]:

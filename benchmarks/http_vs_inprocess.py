@@ -20,7 +20,6 @@ import gc
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import httpx
+from serve_process import free_port
 
 if TYPE_CHECKING:  # imported in main(), after OMP_NUM_THREADS is set
     from shoal.engine.async_engine import AsyncEngine
@@ -129,12 +129,6 @@ async def run_http(
         start = time.perf_counter()
         await asyncio.gather(*(worker(http) for _ in range(concurrency)))
         return Result(tokens, time.perf_counter() - start, ttfts)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_server(args: argparse.Namespace, port: int, data_dir: str) -> subprocess.Popen[bytes]:

@@ -19,41 +19,14 @@ import asyncio
 import json
 import random
 import re
-import socket
-import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter
 
 import httpx
+from serve_process import start_serve
 
 MESSAGES = ["Say hi.", "Name a colour.", "Count to three.", "What is 2 + 2?", "One word: sea."]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start(args: argparse.Namespace, data_dir: str) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "shoal.cli", "serve", "--port", str(port)]
-    cmd += ["--data-dir", data_dir, "--max-waiting", "100000"]
-    if args.model:
-        cmd += ["--model", args.model]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            time.sleep(0.2)
-    proc.kill()
-    raise SystemExit("the server did not start")
 
 
 async def interactive(http: httpx.AsyncClient, model: str, rng: random.Random) -> str:
@@ -188,7 +161,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="shoal-soak-") as data_dir:
-        proc, url = start(args, data_dir)
+        proc, url = start_serve(data_dir, *(["--model", args.model] if args.model else []))
         try:
             asyncio.run(soak(args, url))
         finally:
