@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 
 from shoal.bench import cpu_info
-from shoal.layers import cpu_kernels, linear
+from shoal.layers import cpu_kernels, linear, weight_packing
 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]
 
@@ -64,7 +64,7 @@ def main() -> None:
                     x, p, None, "none", [], ""
                 )
             if gemm and kernels is not None:
-                p32, p16 = cpu_kernels.pack_weight(w), cpu_kernels.pack_weight(wb)
+                p32, p16 = weight_packing.pack_weight(w), weight_packing.pack_weight(wb)
                 fns[4] = lambda x=x, p=p32, n=n, k=kernels: k.gemm(x, p, n, None)
                 fns[5] = lambda x=x, p=p16, n=n, k=kernels: k.gemm(x, p, n, None)
             cells = [f"{gflops(f, flop):>11.0f}" if f else f"{'-':>11}" for f in fns]

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from shoal.layers import kernel_library
-
-PANEL = 16  # output columns per packed weight panel (gemm.cpp's NR)
+from shoal.layers.weight_packing import PANEL
 
 _P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
 _DECODE_ARGS = [_P] * 6 + [_I] * 6 + [_D, _I]
@@ -107,7 +106,8 @@ class CpuKernels:
     def gemm(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        """`x @ W.T + bias` for float32 rows `x` `[M, K]` and a weight packed by `pack_weight`."""
+        """`x @ W.T + bias` for float32 rows `x` `[M, K]` and a weight packed by
+        `weight_packing.pack_weight`."""
         assert x.dtype == torch.float32 and x.dim() == 2
         if x.stride(1) != 1:
             x = x.contiguous()
@@ -142,15 +142,15 @@ class CpuKernels:
         silu: bool = False,
     ) -> torch.Tensor:
         """`x @ W.T + bias` for rows `x` `[M, K]` and a weight of x's dtype packed by
-        `pack_for_gemm512` (float32 sums, rounded once; `bias` float32 in panel order, see
-        `pack_bias`). With `silu`, W is `pack_gate_up`'s and the result is silu(gate) * up,
-        `n` its columns."""
+        `weight_packing.pack_for_gemm512` (float32 sums, rounded once; `bias` float32 in panel
+        order, see `weight_packing.pack_bias`). With `silu`, W is packed by
+        `weight_packing.pack_gate_up` and the result is silu(gate) * up, `n` its columns."""
         assert x.dim() == 2 and packed.dtype == x.dtype
         if x.stride(1) != 1:
             x = x.contiguous()
         m, k = x.shape
         panels = packed.shape[0]
-        assert packed[0].numel() == k * PANEL and (bias is None or bias.numel() == panels * PANEL)
+        assert packed.stride(0) == k * PANEL and (bias is None or bias.numel() == panels * PANEL)
         out = _product_out(m, n, x.dtype)
         self._fn(_GEMM512[x.dtype])(
             x.data_ptr(),
@@ -388,45 +388,3 @@ def for_tensor(x: torch.Tensor) -> CpuKernels | None:
     """The native kernels if they take `x`'s element-wise work (a CPU tensor of their dtypes)."""
     kernels = native() if x.device.type == "cpu" else None
     return kernels if kernels is not None and kernels.elementwise(x.dtype) else None
-
-
-def _pad_rows(weight: torch.Tensor) -> torch.Tensor:
-    pad = -weight.shape[0] % PANEL
-    return torch.cat([weight, weight.new_zeros(pad, *weight.shape[1:])]) if pad else weight
-
-
-def pack_weight(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` -> `[ceil(N / 16), K, 16]`: panels of 16 output columns, k-major, zero-padded."""
-    k = weight.shape[1]
-    return _pad_rows(weight).reshape(-1, PANEL, k).transpose(1, 2).contiguous()
-
-
-def pack_weight_pairs(weight: torch.Tensor) -> torch.Tensor:
-    """`[N, K]` bfloat16 -> `[ceil(N / 16), K / 2, 16, 2]`: panels of 16 output columns, k in
-    pairs (the layout VDPBF16PS multiplies), zero-padded columns. K must be even."""
-    k = weight.shape[1]
-    assert k % 2 == 0, "pairs of k"
-    return _pad_rows(weight).reshape(-1, PANEL, k // 2, 2).transpose(1, 2).contiguous()
-
-
-def pack_for_gemm512(weight: torch.Tensor) -> torch.Tensor:
-    """The AVX-512 kernel's layout for a weight of its dtype (float32 or bfloat16)."""
-    return pack_weight_pairs(weight) if weight.dtype == torch.bfloat16 else pack_weight(weight)
-
-
-def pack_bias(bias: torch.Tensor | None) -> torch.Tensor | None:
-    """A bias as the AVX-512 kernel reads it: float32, zero-padded to whole panels."""
-    return None if bias is None else _pad_rows(bias.detach().float())
-
-
-def pack_gate_up(
-    weight: torch.Tensor, bias: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A `[2N, K]` gate-up weight (gate rows first) packed for `gemm512(..., silu=True)`: gate
-    panel q, then up panel q; the bias (if any) in the same order."""
-    gate, up = weight.chunk(2)
-    packed = torch.stack([pack_for_gemm512(gate), pack_for_gemm512(up)], 1).flatten(0, 1)
-    if bias is None:
-        return packed, None
-    halves = [_pad_rows(h.detach().float()).view(-1, PANEL) for h in bias.chunk(2)]
-    return packed, torch.stack(halves, 1).flatten()

@@ -24,7 +24,7 @@ import functools
 import torch
 from torch import nn
 
-from shoal.layers import cpu_kernels
+from shoal.layers import cpu_kernels, weight_packing
 from shoal.layers.cpu_features import has_amx, native_bf16
 
 _PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -75,8 +75,8 @@ def _pack_onednn(weight: torch.Tensor) -> torch.Tensor:
 
 
 _PACKERS = {
-    "gemm": cpu_kernels.pack_weight,
-    "gemm512": cpu_kernels.pack_for_gemm512,
+    "gemm": weight_packing.pack_weight,
+    "gemm512": weight_packing.pack_for_gemm512,
     "onednn": _pack_onednn,
 }
 
@@ -92,8 +92,9 @@ class Linear(nn.Module):
 
     def _pack(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The weight in `path`'s layout and the bias as shoal's kernels add it (float32,
-        zero-padded to whole panels)."""
-        return _PACKERS[path](self.weight.detach()), cpu_kernels.pack_bias(self.bias)
+        zero-padded to whole panels; oneDNN takes the layer's own)."""
+        bias = None if path == "onednn" else weight_packing.pack_bias(self.bias)
+        return _PACKERS[path](self.weight.detach()), bias
 
     def _packed_weight(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self._packed is None or self._packed_for != path:
@@ -140,7 +141,7 @@ class GateUpProjection(Linear):
 
     def _pack(self, path: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         if path == "gemm512":
-            return cpu_kernels.pack_gate_up(self.weight.detach(), self.bias)
+            return weight_packing.pack_gate_up(self.weight.detach(), self.bias)
         return super()._pack(path)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.layers import cpu_kernels
+from shoal.layers import cpu_kernels, weight_packing
 from shoal.layers.attention import AttentionMetadata, _gathered_decode
 from shoal.layers.cpu_features import cpu_flags, has_avx512, is_x86
 from shoal.layers.cpu_kernels import CpuKernels
@@ -118,7 +118,7 @@ def test_gemm_matches_float64(
     w = torch.randn(n, k, generator=gen).to(weight_dtype)
     bias = torch.randn(n, generator=gen)
     x = torch.randn(m, k + 3, generator=gen)[:, 2 : k + 2]  # strided rows
-    packed = cpu_kernels.pack_weight(w)
+    packed = weight_packing.pack_weight(w)
     assert packed.dtype == weight_dtype and packed.shape == (-(-n // 16), k, 16)
     expected = F.linear(x.double(), w.double(), bias.double())
     got = kernels.gemm(x, packed, n, bias).double()
@@ -152,9 +152,9 @@ def test_gemm512_matches_float64(
     """Every tile height and width, partial panels, a bias, strided rows and an output row
     padded off a multiple of 1 KiB (512 columns); bfloat16 sums are rounded once."""
     x, w, bias = _gemm512_case(kernels, dtype, m, k, n)
-    packed = cpu_kernels.pack_for_gemm512(w)
+    packed = weight_packing.pack_for_gemm512(w)
     assert packed.shape[0] == -(-n // 16) and packed[0].numel() == k * 16
-    got = kernels.gemm512(x, packed, n, cpu_kernels.pack_bias(bias))
+    got = kernels.gemm512(x, packed, n, weight_packing.pack_bias(bias))
     expected = F.linear(x.double(), w.double(), bias.double())
     assert got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -170,9 +170,9 @@ def test_gemm512_silu_epilogue_equals_the_separate_pass(
     roundings; the vector exp may differ in its last bit, which can move a bfloat16 result by
     one unit), gate and up panels interleaved, half-panels padded."""
     x, w, bias = _gemm512_case(kernels, dtype, m, k, 2 * n)
-    packed = cpu_kernels.pack_for_gemm512(w)
-    unfused = kernels.gemm512(x, packed, 2 * n, cpu_kernels.pack_bias(bias))
-    packed, packed_bias = cpu_kernels.pack_gate_up(w, bias)
+    packed = weight_packing.pack_for_gemm512(w)
+    unfused = kernels.gemm512(x, packed, 2 * n, weight_packing.pack_bias(bias))
+    packed, packed_bias = weight_packing.pack_gate_up(w, bias)
     got = kernels.gemm512(x, packed, n, packed_bias, silu=True)
     assert got.shape == (m, n)
     tol = {torch.float32: 1e-6, torch.bfloat16: 2**-7}[dtype]  # one unit in the last place
