@@ -176,10 +176,11 @@ def scrape(url: str) -> tuple[dict[str, int], dict[str, float]]:
 
 
 def run_setup(
-    setup: Setup, base: ServerConfig, args: argparse.Namespace, url: str, first: bool
+    setup: Setup, base: ServerConfig, args: argparse.Namespace, url: str, root: Path, first: bool
 ) -> Result:
-    """Fresh replicas (new data dirs, an empty tier) with `setup`'s routing, then W2."""
-    data = Path(tempfile.mkdtemp(prefix=f"shoal-cluster-bench-{setup.key}-"))
+    """Fresh replicas (new data dirs under `root`, an empty tier) with `setup`'s routing, then
+    W2."""
+    data = root / setup.key
     server = ServerConfig(engine=base.engine, data_dir=data)
     config = ClusterConfig(
         server,
@@ -236,8 +237,8 @@ def direct_server(model: str, port: int, data: str, kv_gib: float) -> subprocess
         time.sleep(0.5)
 
 
-def ingress_overhead(url: str, model: str, args: argparse.Namespace) -> str:
-    proc = direct_server(model, args.port + 1, tempfile.mkdtemp(), args.kv_cache_gib)
+def ingress_overhead(url: str, model: str, args: argparse.Namespace, root: Path) -> str:
+    proc = direct_server(model, args.port + 1, str(root / "direct"), args.kv_cache_gib)
     try:
         name = httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["id"]
         direct_url = f"http://127.0.0.1:{args.port + 1}"
@@ -316,13 +317,16 @@ def main() -> None:
     )
     results: dict[str, Result] = {}
     overhead = ""
-    try:
-        for i, setup in enumerate(setups):
-            results[setup.key] = run_setup(setup, base, args, url, first=i == 0)
-        if args.requests:
-            overhead = ingress_overhead(url, model, args)
-    finally:
-        stop_local()
+    # Data dirs and tiers (GBs of KV) go with the run.
+    with tempfile.TemporaryDirectory(prefix="shoal-cluster-bench-") as tmp:
+        root = Path(tmp)
+        try:
+            for i, setup in enumerate(setups):
+                results[setup.key] = run_setup(setup, base, args, url, root, first=i == 0)
+            if args.requests:
+                overhead = ingress_overhead(url, model, args, root)
+        finally:
+            stop_local()
     report(results)
     if overhead:
         print(overhead)
