@@ -50,6 +50,10 @@ constexpr int KEYS = 16;                      // keys per online-softmax step
 constexpr int KB = kLanes == 16 ? 8 : 4;      // keys per register block of K·Qᵀ
 constexpr int ACC = kLanes == 16 ? 24 : 12;   // accumulator registers for P·V
 constexpr float kMasked = -1e30f;             // not -inf: fast math assumes finite values
+// exp(x) for x <= 0, with x raised to at least -87: libmvec's vector exp hands every lane below
+// about -87.3 (masked keys, the first step's rescale) to the scalar expf, one call a lane, and
+// e^-87 (1.6e-38) weighs nothing beside the row's largest term, 1.
+inline float exp_nonpositive(float x) { return std::exp(std::max(x, -87.0f)); }
 
 // st[j][r] = sum_d k[j][d] * qt[d][r] for NK keys given as float rows.
 template <int NK>
@@ -127,8 +131,11 @@ struct FmaProducts {
   static_assert(TR % RB == 0 && NV % NVC == 0, "tile shape");
 
   static void load_queries(Scratch& w, const T* const* rows, float scale) {
-    for (int r = 0; r < TR; ++r)
-      for (int64_t d = 0; d < DIM; ++d) w.qt[d * TR + r] = rows[r] ? widen(rows[r][d]) * scale : 0;
+    static const T zeros[DIM] = {};
+    const T* src[TR];
+    for (int r = 0; r < TR; ++r) src[r] = rows[r] ? rows[r] : zeros;
+    for (int64_t d = 0; d < DIM; ++d)
+      for (int r = 0; r < TR; ++r) w.qt[d * TR + r] = widen(src[r][d]) * scale;
   }
 
   static void scores(Scratch& w, const KV* const* k, int n, float* sc, float /*in queries*/) {
@@ -314,12 +321,12 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
       for (int r = 0; r < TR; ++r) mx[r] = row[r] > mx[r] ? row[r] : mx[r];
     }
 #pragma omp simd
-    for (int r = 0; r < TR; ++r) alpha[r] = std::exp(m[r] - mx[r]);
+    for (int r = 0; r < TR; ++r) alpha[r] = exp_nonpositive(m[r] - mx[r]);
     for (int jj = 0; jj < n; ++jj) {
       float* row = sc + jj * TR;
 #pragma omp simd
       for (int r = 0; r < TR; ++r) {
-        row[r] = std::exp(row[r] - mx[r]);
+        row[r] = exp_nonpositive(row[r] - mx[r]);
         sum[r] += row[r];
       }
     }
