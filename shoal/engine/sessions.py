@@ -22,9 +22,9 @@ alternative is preempting a running request. Bytes move through `SessionIO` (the
 `kv_store`); this module decides what moves and when.
 
 With a shared `SessionTier` (`session_tier.py`), every finished turn is also written behind to
-a folder other engines share, and a session this engine does not hold in its pool is looked up
-there: a copy that covers more of the new prompt than the local disk's is adopted (SPILLED)
-and restored from the tier.
+a folder other engines share, and an idle session is looked up there: a copy that covers more
+of the new prompt than this engine's (in the pool or on its disk) is adopted (SPILLED) and
+restored from the tier.
 """
 
 from __future__ import annotations
@@ -183,10 +183,12 @@ class SessionManager:
 
     def find(self, session_id: str, prompt: list[int]) -> Session | None:
         """The session whose KV a turn with `prompt` should reuse: the one held here, unless it
-        is not in the pool and the shared tier holds a copy covering more of `prompt` (another
-        engine served the later turns, or this one died before saving): that copy is adopted."""
+        is idle and the shared tier holds a copy covering more of `prompt` (another engine
+        served the later turns, or this one died before saving): that copy is adopted, even over
+        an older copy in this pool. Reading a token's KV from the tier costs far less than
+        recomputing it (SmolLM2 in float32: 46 KB against ~0.27 GFLOP)."""
         session = self._sessions.get(session_id)
-        if self.tier is None or (session is not None and session.state is not SessionState.SPILLED):
+        if self.tier is None or (session is not None and session.running):
             return session
         copy = self.tier.peek(session_id)
         if copy is None or (
@@ -197,6 +199,10 @@ class SessionManager:
             return session
         if session is None:
             session = self._sessions[session_id] = Session(session_id, SessionState.SPILLED)
+        elif session.resident:  # an older turn in the pool: its blocks go back, as cached blocks
+            self.pool.free(reversed(session.block_ids))
+            session.block_ids = []
+            self._move(session, SessionState.SPILLED)
         session.token_ids, session.saved, session.tier_copy = list(copy.token_ids), False, copy
         return session
 

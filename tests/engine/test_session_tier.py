@@ -69,13 +69,13 @@ def test_a_session_moves_between_engines_through_the_tier(
         if t == 1:  # b never saw the session: all of turn 1 comes from a's tier copy
             prev_prompt, prev_out = conv[0]
             assert cached == len(prev_prompt) + len(prev_out) - 1
+        if t == 3:  # a still holds turn 1 in its pool, but the tier's turn 3 covers more
+            prev_prompt, prev_out = conv[2]
+            assert cached == len(prev_prompt) + len(prev_out) - 1
         if t:
             assert cached > 0
         engine.sessions.flush()  # the turn's tier write is done before the next engine looks
-    assert b.stats().tier_reads == 1
-    # a still held turn 1 in its pool when the session came back: it reused that (correct,
-    # shorter than the tier's turn 3) rather than read the tier behind its own memory.
-    assert a.stats().tier_reads == 0
+    assert b.stats().tier_reads == 1 and a.stats().tier_reads == 1
     assert a.stats().tier_writes == 2 and b.stats().tier_writes == 2
     for engine in (a, b):
         assert engine.pool.num_free == engine.pool.num_blocks - engine.stats().blocks_used
