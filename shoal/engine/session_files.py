@@ -28,7 +28,7 @@ import xxhash
 
 from shoal.durable import atomic_write
 from shoal.engine.block_pool import cdiv
-from shoal.engine.sessions import StoredSession
+from shoal.engine.session_io import StoredSession
 from shoal.errors import CacheCorruptionError
 
 T = TypeVar("T")

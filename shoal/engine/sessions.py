@@ -34,10 +34,11 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from shoal.engine.block_pool import BlockPool, cdiv
 from shoal.engine.sequence import Sequence
+from shoal.engine.session_io import SessionIO
 
 if TYPE_CHECKING:
     from shoal.engine.session_tier import SessionTier
@@ -108,51 +109,6 @@ class SessionStats:
             return 0.0
         values = sorted(self.restore_latencies)
         return values[min(len(values) - 1, int(q * len(values)))]
-
-
-@dataclass(slots=True, frozen=True)
-class StoredSession:
-    """A disk copy a previous run left behind."""
-
-    session_id: str
-    token_ids: list[int]
-    last_used: float
-
-
-class SessionIO(Protocol):
-    """Moves KV bytes for the session manager: block copies and the disk tier."""
-
-    @property
-    def persistent(self) -> bool:
-        """Whether the disk tier outlives the process (worth saving to on close)."""
-        ...
-
-    @property
-    def disk_bytes(self) -> int: ...
-
-    def copy_block(self, src: int, dst: int) -> None:
-        """Copy one pool block's KV into another (copy on write of a partial block)."""
-        ...
-
-    def save(
-        self, session_id: str, token_ids: list[int], block_ids: list[int], last_used: float
-    ) -> bool:
-        """Write the KV of `block_ids` as the session's disk copy; False if it failed."""
-        ...
-
-    def load(self, session_id: str, token_ids: list[int]) -> Any | None:
-        """Read and validate the disk copy of `token_ids`; None (discarded) if unusable."""
-        ...
-
-    def restore(self, data: Any, block_ids: list[int]) -> None:
-        """Write KV returned by `load` into freshly allocated pool blocks."""
-        ...
-
-    def delete(self, session_id: str) -> None: ...
-
-    def has(self, session_id: str) -> bool: ...
-
-    def stored(self) -> list[StoredSession]: ...
 
 
 class SessionManager:

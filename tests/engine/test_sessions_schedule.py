@@ -16,7 +16,8 @@ from shoal.engine.hashing import root_hash
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence, SequenceStatus
-from shoal.engine.sessions import SessionManager, StoredSession
+from shoal.engine.session_io import StoredSession
+from shoal.engine.sessions import SessionManager
 from shoal.sampling_params import SamplingParams
 
 BS = 4
