@@ -12,6 +12,7 @@
 // Threads share the panels through OpenMP; the library links the libgomp torch already loaded
 // (same soname), so these products run on torch's own thread pool instead of fighting it.
 
+#include "prefetch.h"
 #include "simd.h"
 
 // Only builds for AVX2 + FMA (or wider) have the kernel; the loader looks for its symbols.
@@ -50,10 +51,10 @@ inline void store_row(float* out, __m256 lo, __m256 hi, int64_t cols, const floa
 
 // ROWS x 16 tile. The accumulators are named variables, not an array: GCC keeps an array of
 // vectors in memory and stores it back on every iteration.
-// `pf_lines` cache lines from `pf` are prefetched into L2 along the way.
+// `next`: lines prefetched into L2 along the way.
 template <int ROWS>
 void tile(const float* a, int64_t lda, const float* b, int64_t k, float* c, int64_t ldc,
-          int64_t cols, const float* bias, const char* pf, int64_t pf_lines) {
+          int64_t cols, const float* bias, shoal::Lines next) {
   const __m256 zero = _mm256_setzero_ps();
   __m256 c00 = zero, c01 = zero, c10 = zero, c11 = zero, c20 = zero, c21 = zero;
   __m256 c30 = zero, c31 = zero, c40 = zero, c41 = zero, c50 = zero, c51 = zero;
@@ -69,11 +70,10 @@ void tile(const float* a, int64_t lda, const float* b, int64_t k, float* c, int6
     c##R##0 = _mm256_fmadd_ps(x, b0, c##R##0);              \
     c##R##1 = _mm256_fmadd_ps(x, b1, c##R##1);              \
   }
-  const int64_t per_step = (pf_lines + k - 1) / k;
-  const char* const pf_end = pf + pf_lines * 64;
+  shoal::SpreadPrefetch prefetch(next, k);
 #pragma GCC unroll 4
   for (int64_t kk = 0; kk < k; ++kk) {
-    for (int64_t i = 0; i < per_step && pf < pf_end; ++i, pf += 64) __builtin_prefetch(pf, 0, 2);
+    prefetch.step();
     const __m256 b0 = _mm256_loadu_ps(b + kk * NR), b1 = _mm256_loadu_ps(b + kk * NR + 8);
     SHOAL_ROW(0) SHOAL_ROW(1) SHOAL_ROW(2) SHOAL_ROW(3) SHOAL_ROW(4) SHOAL_ROW(5)
   }
@@ -87,23 +87,19 @@ void tile(const float* a, int64_t lda, const float* b, int64_t k, float* c, int6
 }
 
 using Tile = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t,
-                      const float*, const char*, int64_t);
+                      const float*, shoal::Lines);
 constexpr Tile TILES[MR + 1] = {nullptr, tile<1>, tile<2>, tile<3>, tile<4>, tile<5>, tile<6>};
 
 // Rows [m0, m1) of C against one panel (float32, k x NR). Meanwhile the next panel (`next`,
-// `next_bytes`; it is in DRAM when the weight is larger than the caches, as in every decode
-// step) is prefetched into L2 a slice per tile, spread over the tile's steps of k: otherwise the
-// first tile of each panel waits on memory, and a slice issued in one burst fills the miss
-// buffers (on a Zen 4 running this AVX2 build: +18% at 64 rows, +32% at 32, cold weights).
+// `next_bytes`, or null; it is in DRAM when the weight is larger than the caches, as in every
+// decode step) is prefetched (prefetch.h): otherwise the first tile of each panel waits on it.
 inline void rows_by_panel(const float* a, int64_t lda, int64_t m0, int64_t m1, const float* panel,
                           int64_t k, float* c, int64_t ldc, int64_t cols, const float* bias,
                           const char* next, int64_t next_bytes) {
-  const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-  const int64_t lines = next ? next_bytes / 64 : 0, per_tile = (lines + tiles - 1) / tiles;
-  for (int64_t i = m0, done = 0; i < m1; i += MR) {
-    const int64_t count = std::min(per_tile, lines - done), rows = std::min(MR, m1 - i);
-    TILES[rows](a + i * lda, lda, panel, k, c + i * ldc, ldc, cols, bias, next + done * 64, count);
-    done += count;
+  shoal::PanelSlices slices(next, next ? next_bytes : 0, (m1 - m0 + MR - 1) / MR);
+  for (int64_t i = m0; i < m1; i += MR) {
+    const int64_t rows = std::min(MR, m1 - i);
+    TILES[rows](a + i * lda, lda, panel, k, c + i * ldc, ldc, cols, bias, slices.take());
   }
 }
 

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "prefetch.h"
 #include "simd.h"
 
 #if defined(__AVX512F__)
@@ -68,22 +69,18 @@ struct Bf16 {
 #endif
 
 // ROWS x (PANELS x 16) tile over all of k. `cols`: the output columns left from the tile's
-// first; `bias`: float32, laid out like the panels. `pf`: `pf_lines` cache lines to prefetch
-// into L2 while the tile runs, a few per step of k: issued in one burst they would fill the
-// miss buffers and stall the tile's own loads.
+// first; `bias`: float32, laid out like the panels; `next`: lines to prefetch meanwhile.
 template <typename P, bool SILU, int ROWS, int PANELS>
 void tile(const typename P::T* a, int64_t lda, const typename P::T* w, int64_t k,
-          typename P::T* c, int64_t ldc, int64_t cols, const float* bias, const char* pf,
-          int64_t pf_lines) {
+          typename P::T* c, int64_t ldc, int64_t cols, const float* bias, shoal::Lines next) {
   using T = typename P::T;
   __m512 acc[ROWS][PANELS];
   for (int r = 0; r < ROWS; ++r)
     for (int p = 0; p < PANELS; ++p) acc[r][p] = _mm512_setzero_ps();
   const int64_t panel = k * NR;  // elements between panels
-  const int64_t steps = k / P::kStep, per_step = (pf_lines + steps - 1) / steps;
-  const char* const pf_end = pf + pf_lines * 64;
+  shoal::SpreadPrefetch prefetch(next, k / P::kStep);
   for (int64_t kk = 0; kk < k; kk += P::kStep) {
-    for (int64_t i = 0; i < per_step && pf < pf_end; ++i, pf += 64) __builtin_prefetch(pf, 0, 2);
+    prefetch.step();
     typename P::W wv[PANELS];
     for (int p = 0; p < PANELS; ++p) wv[p] = P::weights(w + p * panel + kk * NR);
     for (int r = 0; r < ROWS; ++r) {
@@ -126,7 +123,7 @@ void tile(const typename P::T* a, int64_t lda, const typename P::T* w, int64_t k
 
 template <typename P, bool SILU>
 using Tile = void (*)(const typename P::T*, int64_t, const typename P::T*, int64_t,
-                      typename P::T*, int64_t, int64_t, const float*, const char*, int64_t);
+                      typename P::T*, int64_t, int64_t, const float*, shoal::Lines);
 
 template <typename P, bool SILU, int PANELS>
 Tile<P, SILU> tile_for(int rows) {
@@ -165,21 +162,16 @@ void gemm(const typename P::T* a, int64_t m, int64_t k, int64_t lda, const typen
       const int64_t m1 = std::min(m, m0 + M_BLOCK);
       for (int64_t p = p0; p < p1; p += NP) {
         const int np = int(std::min<int64_t>(NP, p1 - p));
-        // Prefetch the next group's panels a slice per tile of rows.
-        const char* next = p + np < p1 ? reinterpret_cast<const char*>(packed + (p + np) * panel)
-                                       : nullptr;
-        const int64_t next_bytes =
-            std::min<int64_t>(NP, p1 - p - np) * panel * int64_t(sizeof(typename P::T));
-        const int64_t tiles = (m1 - m0 + MR - 1) / MR;
-        const int64_t lines = next ? next_bytes / 64 : 0, per_tile = (lines + tiles - 1) / tiles;
+        // The next group's panels (none after the last), prefetched a slice per tile of rows.
+        shoal::PanelSlices next(reinterpret_cast<const char*>(packed + (p + np) * panel),
+                                std::min<int64_t>(NP, p1 - p - np) * panel *
+                                    int64_t(sizeof(typename P::T)),
+                                (m1 - m0 + MR - 1) / MR);
         const int64_t col = p / unit * NR;
-        int64_t done = 0;
         for (int64_t i = m0; i < m1; i += MR) {
-          const int64_t count = std::min(per_tile, lines - done);
           const int rows = int(std::min<int64_t>(MR, m1 - i));
           pick<P, SILU>(rows, np)(a + i * lda, lda, packed + p * panel, k, c + i * ldc + col, ldc,
-                                  n - col, bias ? bias + p * NR : nullptr, next + done * 64, count);
-          done += count;
+                                  n - col, bias ? bias + p * NR : nullptr, next.take());
         }
       }
     }
