@@ -46,6 +46,15 @@ inline void for_each_run(const T* cache, const int64_t* table, int64_t len, int6
   }
 }
 
+// exp(x) for x <= 0 (a score less its row's max), with x raised to at least -87: libmvec's
+// vector exp hands every lane below about -87.3 (masked keys, a first rescale from the -1e30
+// start) to the scalar expf, one call a lane, and e^-87 (1.6e-38) weighs nothing beside the
+// row's largest term, 1.
+template <typename T>
+inline T exp_nonpositive(T x) {
+  return std::exp(std::max(x, T(-87)));
+}
+
 // Softmax over each head's row of scores, in place.
 template <typename T>
 void softmax_rows(T* scores, int64_t heads, int64_t len) {
@@ -55,7 +64,7 @@ void softmax_rows(T* scores, int64_t heads, int64_t len) {
     T total = 0;
 #pragma omp simd reduction(+ : total)
     for (int64_t t = 0; t < len; ++t) {
-      row[t] = std::exp(row[t] - m);
+      row[t] = exp_nonpositive(row[t] - m);
       total += row[t];
     }
     const T inv = T(1) / total;

@@ -50,10 +50,6 @@ constexpr int KEYS = 16;                      // keys per online-softmax step
 constexpr int KB = kLanes == 16 ? 8 : 4;      // keys per register block of K·Qᵀ
 constexpr int ACC = kLanes == 16 ? 24 : 12;   // accumulator registers for P·V
 constexpr float kMasked = -1e30f;             // not -inf: fast math assumes finite values
-// exp(x) for x <= 0, with x raised to at least -87: libmvec's vector exp hands every lane below
-// about -87.3 (masked keys, the first step's rescale) to the scalar expf, one call a lane, and
-// e^-87 (1.6e-38) weighs nothing beside the row's largest term, 1.
-inline float exp_nonpositive(float x) { return std::exp(std::max(x, -87.0f)); }
 
 // st[j][r] = sum_d k[j][d] * qt[d][r] for NK keys given as float rows.
 template <int NK>
@@ -326,12 +322,12 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
       for (int r = 0; r < TR; ++r) mx[r] = row[r] > mx[r] ? row[r] : mx[r];
     }
 #pragma omp simd
-    for (int r = 0; r < TR; ++r) alpha[r] = exp_nonpositive(m[r] - mx[r]);
+    for (int r = 0; r < TR; ++r) alpha[r] = shoal::exp_nonpositive(m[r] - mx[r]);
     for (int jj = 0; jj < n; ++jj) {
       float* row = sc + jj * TR;
 #pragma omp simd
       for (int r = 0; r < TR; ++r) {
-        row[r] = exp_nonpositive(row[r] - mx[r]);
+        row[r] = shoal::exp_nonpositive(row[r] - mx[r]);
         sum[r] += row[r];
       }
     }
