@@ -2,7 +2,8 @@
 
 Compares torch's default `F.linear`, NumPy (OpenBLAS), oneDNN with a prepacked weight (float32,
 and bfloat16 x bfloat16, which runs VDPBF16PS or AMX where the CPU has them) and shoal's own
-kernel (`shoal/layers/csrc/gemm.cpp`, AVX2 + FMA) with a float32 and a bfloat16 weight, on
+kernels: `shoal/layers/csrc/gemm.cpp` (AVX2 + FMA) with a float32 and a bfloat16 weight, and
+`gemm512.cpp` (AVX-512: float32, and bfloat16 x bfloat16 through VDPBF16PS) where it runs, on
 SmolLM2-135M's projection shapes at decode (64 rows) and prefill (512 rows) sizes, in GFLOP/s
 against the CPU's float32 peak (bfloat16 dot products peak at twice that).
 
@@ -37,9 +38,11 @@ def main() -> None:
     print(f"{cpu.describe()}\ntorch {torch.__version__}, {torch.get_num_threads()} threads")
     print("GFLOP/s (median of 10)")
     names = ["F.linear", "numpy", "oneDNN", "oneDNN bf16", "shoal f32", "shoal bf16w"]
+    names += ["shoal512 f32", "shoal512 bf16"]
     print(f"{'rows':>5} {'in':>5} {'out':>6} " + " ".join(f"{n:>11}" for n in names))
     kernels = cpu_kernels.native()
     gemm = kernels is not None and kernels.has_gemm(torch.float32)
+    wide = [dt for dt in (torch.float32, torch.bfloat16) if kernels and kernels.has_gemm512(dt)]
     bf16 = linear.onednn_packs(torch.bfloat16)
     for rows in (64, 512):
         for k, n in SHAPES:
@@ -58,6 +61,8 @@ def main() -> None:
                 None,
                 None,
                 None,
+                None,
+                None,
             ]
             if packed16 is not None:
                 fns[3] = lambda x=xb, p=packed16: torch.ops.mkldnn._linear_pointwise(
@@ -67,6 +72,10 @@ def main() -> None:
                 p32, p16 = weight_packing.pack_weight(w), weight_packing.pack_weight(wb)
                 fns[4] = lambda x=x, p=p32, n=n, k=kernels: k.gemm(x, p, n, None)
                 fns[5] = lambda x=x, p=p16, n=n, k=kernels: k.gemm(x, p, n, None)
+            for col, dt in ((6, torch.float32), (7, torch.bfloat16)):
+                if dt in wide and kernels is not None:
+                    xd, p512 = x.to(dt), weight_packing.pack_for_gemm512(w.to(dt))
+                    fns[col] = lambda x=xd, p=p512, n=n, k=kernels: k.gemm512(x, p, n, None)
             cells = [f"{gflops(f, flop):>11.0f}" if f else f"{'-':>11}" for f in fns]
             print(f"{rows:>5} {k:>5} {n:>6} " + " ".join(cells))
 
