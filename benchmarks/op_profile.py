@@ -144,7 +144,7 @@ def onednn_kernel(dtype: str) -> str:
 def describe_paths(llm: Any) -> list[str]:
     """Which implementation each kind of op takes in this engine, on this CPU."""
     from shoal.layers import cpu_kernels, linear
-    from shoal.layers.cpu_features import native_bf16
+    from shoal.layers.cpu_features import bf16_tiles_pay, native_bf16
 
     model = llm.engine.runner.model
     act, weight = model.act_dtype, model.lm_head.weight.dtype
@@ -162,13 +162,16 @@ def describe_paths(llm: Any) -> list[str]:
         path = f"oneDNN {onednn_kernel(str(act).removeprefix('torch.'))}"
     decode = kernels is not None and kernels.decodes(act, kv)
     prefill = kernels is not None and kernels.prefills(act, kv)
+    prefill_tiles = " (VDPBF16PS tiles)" if bf16_tiles_pay() else " (float32 tiles, bf16 cache)"
     return [
         f"  activations {act}, weights {weight}, KV cache {kv}; C++ kernels: {isa}",
         f"  projections + LM head: {path}",
         "  decode attention: "
         + ("C++ paged kernel" if decode else "torch gather + SDPA")
         + (" (VDPBF16PS)" if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
-        "  prefill attention: " + ("C++ paged flash kernel" if prefill else "torch SDPA per chunk"),
+        "  prefill attention: "
+        + ("C++ paged flash kernel" if prefill else "torch SDPA per chunk")
+        + (prefill_tiles if prefill and act == torch.bfloat16 else ""),
         "  norms, rotary + KV writes (and SiLU x up unless fused): "
         + ("C++ fused kernels" if kernels is not None and kernels.elementwise(act) else "torch"),
     ]

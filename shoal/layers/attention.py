@@ -6,8 +6,9 @@ every query attends to its own sequence's blocks, causally, after the tokens alr
 
 On the CPU both run as C++ kernels that read the blocks in place (`csrc/paged_decode.cpp` for
 decodes, `csrc/paged_prefill.cpp`, flash-style, for every prefill chunk of the step in one
-call). Elsewhere (CUDA, or no C++ compiler) decodes gather their blocks into a padded batch and
-each prefill chunk runs through torch's SDPA.
+call; bfloat16 queries are widened to float32 tiles where bfloat16 dot products do not pay,
+see `cpu_features.bf16_tiles_pay`). Elsewhere (CUDA, or no C++ compiler) decodes gather their
+blocks into a padded batch and each prefill chunk runs through torch's SDPA.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels
+from shoal.layers.cpu_features import bf16_tiles_pay
 from shoal.layers.rotary import Rope, rotate
 
 
@@ -123,9 +125,15 @@ def paged_attention(
             and meta.prefill_tables is not None
             and kernels.prefills(q.dtype, k_cache.dtype)
         ):
-            kernels.paged_prefill(
-                q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, out, scale
-            )
+            spans, tables = meta.prefill_spans, meta.prefill_tables
+            if q.dtype == torch.bfloat16 and not bf16_tiles_pay():
+                # Float32 tiles against the bfloat16 cache; only the prefill rows are copied
+                # back, the decodes' rows (before them) are already written.
+                wide = torch.empty(out.shape, dtype=torch.float32)
+                kernels.paged_prefill(q.float(), k_cache, v_cache, spans, tables, wide, scale)
+                out[b:] = wide[b:]
+            else:
+                kernels.paged_prefill(q, k_cache, v_cache, spans, tables, out, scale)
         else:
             _prefill_in_torch(q, k, v, k_cache, v_cache, meta, out, scale)
     return out
