@@ -65,8 +65,9 @@ def bf16_tiles_pay() -> bool:
     """Whether attention tiles of bfloat16 dot products (VDPBF16PS) outrun float32 FMAs here.
 
     On AMD's Zen 4 a VDPBF16PS does twice an FMA's multiply-adds at the same rate: bfloat16
-    prefill tiles ran 170-199 GFLOP/s against 119-129 for float32. Intel's AVX-512 cores issue
-    two 512-bit FMAs a cycle but one VDPBF16PS, so the bfloat16 tiles only add conversions:
-    on an Emerald Rapids, W1's prefill attention took 2.6-2.8 s in bfloat16 tiles and 1.7-2.0 s
-    with the queries widened to float32 against the same bfloat16 cache."""
+    prefill tiles ran 170-199 GFLOP/s against 119-129 for float32. An Intel Emerald Rapids core
+    issued about two 512-bit FMAs a cycle but a VDPBF16PS only every 2.3 cycles (measured 155
+    against 74 GFLOP/s a core), so there bfloat16 tiles are the slower ones: W1's prefill
+    attention took 2.6-2.8 s in bfloat16 tiles and 1.7-2.0 s with the queries widened to
+    float32 against the same bfloat16 cache."""
     return "avx512_bf16" in cpu_flags() and cpu_vendor() != "GenuineIntel"
