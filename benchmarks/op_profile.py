@@ -143,8 +143,8 @@ def onednn_kernel(dtype: str) -> str:
 
 def describe_paths(llm: Any) -> list[str]:
     """Which implementation each kind of op takes in this engine, on this CPU."""
-    from shoal.layers import cpu_kernels, linear
-    from shoal.layers.cpu_features import bf16_tiles_pay, native_bf16
+    from shoal.layers import attention, cpu_kernels, linear
+    from shoal.layers.cpu_features import native_bf16
 
     model = llm.engine.runner.model
     act, weight = model.act_dtype, model.lm_head.weight.dtype
@@ -162,7 +162,10 @@ def describe_paths(llm: Any) -> list[str]:
         path = f"oneDNN {onednn_kernel(str(act).removeprefix('torch.'))}"
     decode = kernels is not None and kernels.decodes(act, kv)
     prefill = kernels is not None and kernels.prefills(act, kv)
-    prefill_tiles = " (VDPBF16PS tiles)" if bf16_tiles_pay() else " (float32 tiles, bf16 cache)"
+    block_size = model.attention_layers[0].k_cache.shape[1]
+    prefill_tiles = " (float32 tiles, bf16 cache)"
+    if kernels is not None and attention.bf16_prefill_tiles(kernels, block_size):
+        prefill_tiles = " (AMX tiles)" if kernels.amx_tiles else " (VDPBF16PS tiles)"
     return [
         f"  activations {act}, weights {weight}, KV cache {kv}; C++ kernels: {isa}",
         f"  projections + LM head: {path}",

@@ -6,8 +6,8 @@ every query attends to its own sequence's blocks, causally, after the tokens alr
 
 On the CPU both run as C++ kernels that read the blocks in place (`csrc/paged_decode.cpp` for
 decodes, `csrc/paged_prefill.cpp`, flash-style, for every prefill chunk of the step in one
-call; bfloat16 queries are widened to float32 tiles where bfloat16 dot products do not pay,
-see `cpu_features.bf16_tiles_pay`). Elsewhere (CUDA, or no C++ compiler) decodes gather their
+call; bfloat16 queries are widened to float32 tiles where bfloat16 tiles do not pay, see
+`bf16_prefill_tiles`). Elsewhere (CUDA, or no C++ compiler) decodes gather their
 blocks into a padded batch and each prefill chunk runs through torch's SDPA.
 """
 
@@ -126,7 +126,7 @@ def paged_attention(
             and kernels.prefills(q.dtype, k_cache.dtype)
         ):
             spans, tables = meta.prefill_spans, meta.prefill_tables
-            if q.dtype == torch.bfloat16 and not bf16_tiles_pay():
+            if q.dtype == torch.bfloat16 and not bf16_prefill_tiles(kernels, k_cache.shape[1]):
                 # Float32 tiles against the bfloat16 cache; only the prefill rows are copied
                 # back, the decodes' rows (before them) are already written.
                 wide = torch.empty(out.shape, dtype=torch.float32)
@@ -137,6 +137,14 @@ def paged_attention(
         else:
             _prefill_in_torch(q, k, v, k_cache, v_cache, meta, out, scale)
     return out
+
+
+def bf16_prefill_tiles(kernels: cpu_kernels.CpuKernels, block_size: int) -> bool:
+    """Whether bfloat16 prefill chunks take the kernel's bfloat16 tiles: on AMX (whose tiles
+    read keys 16 at a time from blocks of a multiple of 16 tokens; 1.5-2x the float32 tiles'
+    rate on an Emerald Rapids), or where VDPBF16PS outruns float32 FMAs (`bf16_tiles_pay`).
+    Otherwise the queries are widened to float32 tiles over the bfloat16 cache."""
+    return (kernels.amx_tiles and block_size % 16 == 0) or bf16_tiles_pay()
 
 
 def _prefill_in_torch(

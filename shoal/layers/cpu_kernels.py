@@ -90,6 +90,8 @@ class CpuKernels:
         self.lib, self.march = lib, march
         lib.shoal_isa.restype = ctypes.c_char_p
         self.isa: str = lib.shoal_isa().decode()
+        # bfloat16 prefill tiles on AMX: built for it, and the OS lent this process the tiles.
+        self.amx_tiles: bool = bool(lib.shoal_amx_tiles())
         for name, args in _SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is not None:

@@ -46,12 +46,13 @@ def test_bf16_batch_through_either_prefill_tiles(
     bf16_tiles: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A bfloat16 step of two decodes and two prefill chunks (one after cached context) equals
-    float64 attention whichever tiles the CPU's policy picks: VDPBF16PS (AMD) or float32 tiles
-    over the bfloat16 cache (Intel), which must leave the decodes' rows as the decode wrote them."""
+    float64 attention whichever tiles the CPU's policy picks: bfloat16 tiles (AMX on this CPU
+    if it has it, else VDPBF16PS) or float32 tiles over the bfloat16 cache, which must leave the
+    decodes' rows as the decode wrote them."""
     kernels = cpu_kernels.native()
     if kernels is None or not kernels.prefills(torch.bfloat16, torch.bfloat16):
         pytest.skip("this build has no bfloat16 C++ attention (needs AVX-512 or AVX2)")
-    monkeypatch.setattr(attention, "bf16_tiles_pay", lambda: bf16_tiles)
+    monkeypatch.setattr(attention, "bf16_prefill_tiles", lambda *_: bf16_tiles)
     gen = torch.Generator().manual_seed(5)
     block, heads, kv_heads, dim = 16, 9, 3, 64
     k_cache, v_cache = (

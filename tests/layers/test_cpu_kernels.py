@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from shoal.layers import cpu_kernels, weight_packing
 from shoal.layers.attention import AttentionMetadata, _gathered_decode
-from shoal.layers.cpu_features import cpu_flags, has_avx512, is_x86
+from shoal.layers.cpu_features import cpu_flags, has_amx, has_avx512, is_x86
 from shoal.layers.cpu_kernels import CpuKernels
 from shoal.layers.rotary import rotate
 
@@ -54,6 +54,18 @@ def test_each_build_says_which_vector_code_it_holds(kernels: CpuKernels) -> None
     if expected is not None:
         assert kernels.isa == expected
     assert kernels.has_gemm(torch.float32) is (kernels.isa in ("avx2", "avx512"))
+
+
+def test_bf16_prefill_takes_amx_tiles_where_the_cpu_has_amx(kernels: CpuKernels) -> None:
+    """Only the native build compiles AMX code; on an AMX CPU it must run there (the Linux
+    kernel lends the tiles on request), so `test_prefill_matches_float64` checks the AMX
+    products with its blocks of 16 tokens and the VDPBF16PS ones with its blocks of 5."""
+    if kernels.march != "native":
+        assert not kernels.amx_tiles
+        return
+    if not has_amx():
+        pytest.skip("this CPU has no AMX: bfloat16 prefill takes VDPBF16PS or float32 tiles")
+    assert kernels.amx_tiles
 
 
 def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:

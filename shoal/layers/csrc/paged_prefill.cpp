@@ -7,13 +7,14 @@
 //
 // A tile holds the query heads of one kv-head group for a few tokens: TR rows (48 with AVX-512,
 // 24 with AVX2), stored transposed (Qᵀ[dim][row]) and pre-scaled once. It walks the keys up to
-// its last position 16 at a time with an online softmax (a running max and sum per row), so
-// scores never leave L1:
+// its last position a step at a time (16 keys; 64 on AMX) with an online softmax (a running max
+// and sum per row), so scores never leave L1:
 //   Sᵀ[key][row] = K·Qᵀ      each key element broadcast against row vectors (no transposing K)
 //   mask keys past each row's position (only on the diagonal), then per row: new max, rescale
 //   P = exp(Sᵀ - max), O[row] = O[row]·α + Pᵀ·V   rows broadcast against value vectors
-// Both products are register-blocked; the softmax is plain loops the compiler vectorizes (vector
-// exp). Arithmetic is float32; bfloat16 queries, keys and values are widened as they are loaded.
+// The products are a policy: float32 FMAs here (FmaProducts: register-blocked; bfloat16
+// queries, keys and values widened as they are loaded), VDPBF16PS (prefill_bf16.h) or AMX tiles
+// (prefill_amx.h) for bfloat16; the softmax is plain loops the compiler vectorizes (vector exp).
 // Builds without our vector code, float64 and unusual head sizes take the portable one-query
 // attention per row (attention_common.h) instead.
 
@@ -25,6 +26,9 @@
 #include <vector>
 
 #include "attention_common.h"
+#include "prefill_amx.h"
+#include "prefill_bf16.h"
+#include "prefill_tile.h"
 
 namespace {
 
@@ -43,13 +47,7 @@ struct Item {
 #if SHOAL_HAS_VEC
 using shoal::kLanes;
 using shoal::Vec;
-
-constexpr int RV = 3;                         // row vectors per tile
-constexpr int TR = RV * kLanes;               // rows (token x head of the group) per tile
-constexpr int KEYS = 16;                      // keys per online-softmax step
-constexpr int KB = kLanes == 16 ? 8 : 4;      // keys per register block of K·Qᵀ
-constexpr int ACC = kLanes == 16 ? 24 : 12;   // accumulator registers for P·V
-constexpr float kMasked = -1e30f;             // not -inf: fast math assumes finite values
+using namespace shoal::prefill;
 
 // st[j][r] = sum_d k[j][d] * qt[d][r] for NK keys given as float rows.
 template <int NK>
@@ -100,23 +98,6 @@ inline void value_block(const float* pt, const KV* const* v, int nkeys, const fl
     for (int c = 0; c < NV; ++c) shoal::vstore(o + (r0 + r) * dim + d0 + c * kLanes, acc[r][c]);
 }
 
-struct Scratch {
-  std::vector<float> qt, st, o, m, l, alpha, keys;
-  std::vector<uint32_t> pairs;  // bfloat16 pairs: queries, then probabilities (Bf16Dot)
-  std::vector<int64_t> pos;
-  void size(int64_t dim) {
-    qt.resize(dim * TR);
-    st.resize(KEYS * TR);
-    o.resize(TR * dim);
-    m.resize(TR);
-    l.resize(TR);
-    alpha.resize(TR);
-    keys.resize(KEYS * dim);
-    pairs.resize((dim / 2 + KEYS / 2) * TR);
-    pos.resize(TR);
-  }
-};
-
 // The two products of a tile in float32 FMAs: queries transposed and pre-scaled into qt[d][row],
 // keys as float32 rows (widened into L1 for a bfloat16 cache), values read in place.
 template <typename T, typename KV, int DIM>
@@ -124,6 +105,7 @@ struct FmaProducts {
   static constexpr int NV = DIM / kLanes;
   static constexpr int NVC = NV < 4 ? NV : 4;  // value vectors per register block
   static constexpr int RB = ACC / NVC;         // rows per register block (divides TR)
+  static constexpr int kKeys = KEYS;           // keys per online-softmax step
   static_assert(TR % RB == 0 && NV % NVC == 0, "tile shape");
 
   // Column by column: qt is written in order and a row's cache lines are missed once, by the
@@ -158,113 +140,13 @@ struct FmaProducts {
         value_block<KV, RB, NVC>(p, v, n, alpha, w.o.data(), DIM, r0, d0);
   }
 
-  static float value(const Scratch& w, int64_t r, int64_t d) { return w.o[r * DIM + d]; }
-};
-
-#if defined(__AVX512BF16__)
-inline uint32_t pair_at(const uint16_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, sizeof bits);
-  return bits;
-}
-
-// bfloat16 queries, keys and values on CPUs with AVX512_BF16: VDPBF16PS multiplies pairs of
-// bfloat16 into float32 sums, 32 products an instruction, twice the float32 FMA rate, and
-// nothing is widened. Queries are stored as (d, d + 1) pairs per row, each key's pair is
-// broadcast against them; the probabilities are rounded to (key, key + 1) pairs (as
-// transformers rounds them to bfloat16 before P·V) and meet two keys' value rows interleaved
-// by unpack lo/hi, which permutes the dimensions of `o`; `value` undoes it.
-template <int DIM>
-struct Bf16DotProducts {
-  static constexpr int NP = DIM / 32;           // vectors of 32 bfloat16 per row
-  static constexpr int NO = DIM / 16;           // float32 output vectors per row
-  static constexpr int RB = ACC / NO;           // rows per register block (divides TR)
-  static_assert(kLanes == 16 && TR % RB == 0, "tile shape");
-
-  static void load_queries(Scratch& w, const uint16_t* const* rows, float) {  // as FmaProducts
-    static const uint16_t zeros[DIM] = {};
-    const uint16_t* src[TR];
-    for (int r = 0; r < TR; ++r) src[r] = rows[r] ? rows[r] : zeros;
-    for (int64_t e = 0; e < DIM / 2; ++e)
-      for (int r = 0; r < TR; ++r) w.pairs[e * TR + r] = pair_at(src[r] + 2 * e);
-  }
-
-  static void scores(Scratch& w, const uint16_t* const* k, int n, float* sc, float scale) {
-    const uint32_t* qt = w.pairs.data();
-    int j = 0;
-    for (; j + KB <= n; j += KB) key_block<KB>(qt, k + j, sc + j * TR, scale);
-    for (; j < n; ++j) key_block<1>(qt, k + j, sc + j * TR, scale);
-  }
-
-  template <int NK>
-  static void key_block(const uint32_t* qt, const uint16_t* const* k, float* sc, float scale) {
-    __m512 acc[NK][RV];
-    for (int j = 0; j < NK; ++j)
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
-    for (int64_t e = 0; e < DIM / 2; ++e) {
-      __m512bh q[RV];
-      for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qt + e * TR + v * 16);
-      for (int j = 0; j < NK; ++j) {
-        const __m512bh kj = (__m512bh)_mm512_set1_epi32(int(pair_at(k[j] + 2 * e)));
-        for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kj, q[v]);
-      }
-    }
-    const __m512 s = _mm512_set1_ps(scale);
-    for (int j = 0; j < NK; ++j)
-      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(sc + j * TR + v * 16, _mm512_mul_ps(acc[j][v], s));
-  }
-
-  static void values(Scratch& w, const uint16_t* const* v, int n, const float* p,
-                     const float* alpha) {
-    const int np = (n + 1) / 2;  // key pairs; an odd last key pairs with a zero
-    uint32_t* pp = w.pairs.data() + (DIM / 2) * TR;
-    __m512i vint[KEYS / 2][NO];
-    const __m512i zero = _mm512_setzero_si512();
-    for (int jp = 0; jp < np; ++jp) {
-      const bool two = 2 * jp + 1 < n;
-      for (int rv = 0; rv < RV; ++rv) {
-        const __m512i lo = _mm512_cvtepu16_epi32(
-            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + 2 * jp * TR + rv * 16)));
-        const __m512i hi = two ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
-                                     _mm512_loadu_ps(p + (2 * jp + 1) * TR + rv * 16)))
-                               : zero;
-        _mm512_storeu_si512(pp + jp * TR + rv * 16, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
-      }
-      for (int c = 0; c < NP; ++c) {
-        const __m512i v0 = _mm512_loadu_si512(v[2 * jp] + 32 * c);
-        const __m512i v1 = two ? _mm512_loadu_si512(v[2 * jp + 1] + 32 * c) : zero;
-        vint[jp][2 * c] = _mm512_unpacklo_epi16(v0, v1);
-        vint[jp][2 * c + 1] = _mm512_unpackhi_epi16(v0, v1);
-      }
-    }
-    float* o = w.o.data();
-    for (int r0 = 0; r0 < TR; r0 += RB) {
-      __m512 acc[RB][NO];
-      for (int r = 0; r < RB; ++r) {
-        const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
-        for (int c = 0; c < NO; ++c)
-          acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + (r0 + r) * DIM + 16 * c), a);
-      }
-      for (int jp = 0; jp < np; ++jp) {
-        for (int r = 0; r < RB; ++r) {
-          const __m512bh b = (__m512bh)_mm512_set1_epi32(int(pp[jp * TR + r0 + r]));
-          for (int c = 0; c < NO; ++c)
-            acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)vint[jp][c], b);
-        }
-      }
-      for (int r = 0; r < RB; ++r)
-        for (int c = 0; c < NO; ++c) _mm512_storeu_ps(o + (r0 + r) * DIM + 16 * c, acc[r][c]);
-    }
-  }
-
-  // Lane 4k + i of the lo vector of 32-dimension chunk c holds dimension 32c + 8k + i; of the
-  // hi vector, 32c + 8k + 4 + i.
-  static float value(const Scratch& w, int64_t r, int64_t d) {
-    const int64_t c = d / 32, k = (d % 32) / 8, u = d % 8;
-    return w.o[r * DIM + (2 * c + (u >= 4)) * 16 + 4 * k + (u & 3)];
+  // Row r of the output, times `inv`, rounded to T.
+  static void store_row(const Scratch& w, int64_t r, float inv, T* dst) {
+    const float* o = w.o.data() + r * DIM;
+#pragma omp simd
+    for (int64_t d = 0; d < DIM; ++d) dst[d] = narrow<T>(o[d] * inv);
   }
 };
-#endif
 
 // One tile: rows r = token * group + head in group, for `tokens` tokens from t0.
 template <typename T, typename KV, typename P>
@@ -276,6 +158,7 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
   const int64_t tokens = std::min(tq, q_len - it.t0), rows = tokens * group;
   const int64_t first = offset + it.t0, last = first + tokens - 1;  // positions in the tile
   const int64_t token_stride = s.kv_heads * dim;
+  w.kv_stride = token_stride;
   float *m = w.m.data(), *l = w.l.data(), *sc = w.st.data(), *alpha = w.alpha.data();
   const T* qrows[TR];
   for (int64_t r = 0; r < TR; ++r) {
@@ -288,17 +171,19 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
   }
   P::load_queries(w, qrows, scale);
   std::fill(w.o.begin(), w.o.end(), 0.0f);
-  const KV* krows[KEYS];
-  const KV* vrows[KEYS];
+  const KV* krows[kMaxKeys];
+  const KV* vrows[kMaxKeys];
   int n = 0;
   for (int64_t k0 = 0; k0 <= last; k0 += n) {
-    // Keys [k0, k0 + n): at most KEYS, within one block.
-    const int64_t block = k0 / s.block_size, in_block = k0 % s.block_size;
-    n = int(std::min<int64_t>({KEYS, s.block_size - in_block, last + 1 - k0}));
-    const int64_t base = (table[block] * s.block_size + in_block) * token_stride + g * dim;
-    for (int j = 0; j < n; ++j) {
-      krows[j] = kc + base + j * token_stride;
-      vrows[j] = vc + base + j * token_stride;
+    n = int(std::min<int64_t>(P::kKeys, last + 1 - k0));  // keys [k0, k0 + n)
+    for (int j = 0; j < n;) {  // a block's run of keys at a time
+      const int64_t key = k0 + j, in_block = key % s.block_size;
+      const int64_t run = std::min<int64_t>(n - j, s.block_size - in_block);
+      const int64_t at = (table[key / s.block_size] * s.block_size + in_block) * token_stride;
+      for (int64_t i = 0; i < run; ++i, ++j) {
+        krows[j] = kc + at + i * token_stride + g * dim;
+        vrows[j] = vc + at + i * token_stride + g * dim;
+      }
     }
     P::scores(w, krows, n, sc, scale);
     if (k0 + n - 1 > first) {  // the diagonal: some rows must not see some of these keys
@@ -340,8 +225,7 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* dst = out + (q_start + it.t0 + r / group) * st_.out + (g * group + r % group) * dim;
-    const float inv = 1.0f / l[r];
-    for (int64_t d = 0; d < dim; ++d) dst[d] = narrow<T>(P::value(w, r, d) * inv);
+    P::store_row(w, r, 1.0f / l[r], dst);
   }
 }
 
@@ -350,18 +234,24 @@ using Tile = void (*)(const T*, const KV*, const KV*, const int64_t*, const int6
                       const Shape&, Strides, float, const Item&, int64_t, Scratch&);
 
 template <typename T, typename KV, int DIM>
-Tile<T, KV> tile_for() {
+Tile<T, KV> tile_for(const Shape& s) {
 #if defined(__AVX512BF16__)
-  if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) return tile<T, KV, Bf16DotProducts<DIM>>;
+  if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) {
+#if SHOAL_HAS_AMX
+    if (s.block_size % KEYS == 0 && amx_ready()) return tile<T, KV, AmxProducts<DIM>>;
+#endif
+    return tile<T, KV, Bf16DotProducts<DIM>>;
+  }
 #endif
   return tile<T, KV, FmaProducts<T, KV, DIM>>;
 }
 
 template <typename T, typename KV>
-Tile<T, KV> pick_tile(int64_t dim, int64_t group) {
+Tile<T, KV> pick_tile(const Shape& s) {
   if constexpr (sizeof(shoal::acc_t<T>) == sizeof(float)) {
-    if (group <= TR && dim == 64) return tile_for<T, KV, 64>();
-    if (group <= TR && dim == 128) return tile_for<T, KV, 128>();
+    const int64_t group = s.heads / s.kv_heads;
+    if (group <= TR && s.dim == 64) return tile_for<T, KV, 64>(s);
+    if (group <= TR && s.dim == 128) return tile_for<T, KV, 128>(s);
   }
   return nullptr;
 }
@@ -401,7 +291,7 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
              int64_t num_threads) {
 #if SHOAL_HAS_VEC
   const int64_t group = s.heads / s.kv_heads;
-  if (const auto run = pick_tile<T, KV>(s.dim, group)) {
+  if (const auto run = pick_tile<T, KV>(s)) {
     const int64_t tq = TR / group;  // query tokens per tile
     std::vector<Item> items;
     for (int64_t c = 0; c < num_chunks; ++c)
@@ -424,6 +314,9 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
         run(q, kc, vc, spans + it.chunk * 3, tables + it.chunk * s.max_blocks, out, s, st,
             float(scale), it, tq, w);
       }
+#if SHOAL_HAS_AMX
+      release_tiles();
+#endif
     }
     return;
   }
@@ -450,3 +343,12 @@ SHOAL_PREFILL(paged_prefill_f32, float, float)
 SHOAL_PREFILL(paged_prefill_f64, double, double)
 SHOAL_PREFILL(paged_prefill_bf16, uint16_t, uint16_t)
 SHOAL_PREFILL(paged_prefill_f32_bf16kv, float, uint16_t)
+
+// Whether bfloat16 prefill tiles run on AMX here (built for it and granted by the kernel).
+extern "C" int shoal_amx_tiles() {
+#if SHOAL_HAS_VEC && SHOAL_HAS_AMX
+  return amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
