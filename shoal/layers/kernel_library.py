@@ -49,10 +49,15 @@ def _build(cxx: str, march: str, lib_path: Path) -> None:
         os.replace(built, lib_path)
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels are built with (`$CXX`, else g++ or c++), if there is one."""
+    return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+
+
 def compiled(march: str) -> Path | None:
     """The library built for `-march=<march>` (built now if not cached), or None without a
     working compiler."""
-    cxx = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
+    cxx = compiler()
     if cxx is None:
         log.warning("no C++ compiler found: using the slower pure-torch kernels")
         return None

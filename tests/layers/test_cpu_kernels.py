@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shoal.layers import cpu_kernels, weight_packing
+from shoal.layers import cpu_kernels, kernel_library, weight_packing
 from shoal.layers.attention import AttentionMetadata, _gathered_decode
 from shoal.layers.cpu_features import cpu_flags, has_amx, has_avx512, is_x86
 from shoal.layers.cpu_kernels import CpuKernels
@@ -42,6 +42,8 @@ def _builds() -> list:
 def kernels(request: pytest.FixtureRequest) -> CpuKernels:
     built = cpu_kernels.build(request.param)
     if built is None:
+        if kernel_library.compiler() is not None:  # a compile error must not read as a skip
+            pytest.fail(f"the {request.param} kernels did not build (see the logged warning)")
         pytest.skip("no C++ compiler")
     return built
 

@@ -238,7 +238,7 @@ Tile<T, KV> tile_for(const Shape& s) {
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) {
 #if SHOAL_HAS_AMX
-    if (s.block_size % KEYS == 0 && amx_ready()) return tile<T, KV, AmxProducts<DIM>>;
+    if (s.block_size % KEYS == 0 && shoal::amx_ready()) return tile<T, KV, AmxProducts<DIM>>;
 #endif
     return tile<T, KV, Bf16DotProducts<DIM>>;
   }
@@ -315,7 +315,7 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
             float(scale), it, tq, w);
       }
 #if SHOAL_HAS_AMX
-      release_tiles();
+      shoal::release_tiles();
 #endif
     }
     return;
@@ -347,7 +347,7 @@ SHOAL_PREFILL(paged_prefill_f32_bf16kv, float, uint16_t)
 // Whether bfloat16 prefill tiles run on AMX here (built for it and granted by the kernel).
 extern "C" int shoal_amx_tiles() {
 #if SHOAL_HAS_VEC && SHOAL_HAS_AMX
-  return amx_ready() ? 1 : 0;
+  return shoal::amx_ready() ? 1 : 0;
 #else
   return 0;
 #endif

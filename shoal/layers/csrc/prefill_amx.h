@@ -11,48 +11,24 @@
 
 #pragma once
 
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <cstdint>
 
+#include "amx.h"
 #include "prefill_bf16.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define SHOAL_HAS_AMX 1
+#if SHOAL_HAS_AMX
 namespace shoal::prefill {
-
-// Linux lends a process AMX's tile registers only once it asks (arch_prctl); oneDNN asks too.
-inline bool amx_ready() {
-  constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  static const bool ready = syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  return ready;
-}
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1, start_row = 0, reserved[14] = {};
-  uint16_t colsb[16] = {};  // bytes per row
-  uint8_t rows[16] = {};
-};
 
 // Eight tiles of 16 rows x 64 bytes: 0-2 float32 outputs (16 x 16), the others bfloat16
 // operands: 16 keys x 32 dimensions, 16 query pairs x 16 rows, 16 rows x 32 probabilities,
 // 16 key pairs x 16 value dimensions.
-inline TileConfig tile_config() {
-  TileConfig c;
+inline shoal::TileConfig tile_config() {
+  shoal::TileConfig c;
   for (int t = 0; t < 8; ++t) {
     c.rows[t] = 16;
     c.colsb[t] = 64;
   }
   return c;
-}
-
-// Whether this thread configured the tiles since it last released them.
-inline thread_local bool tiles_in_use = false;
-
-inline void release_tiles() {
-  if (tiles_in_use) _tile_release();
-  tiles_in_use = false;
 }
 
 template <int DIM>
@@ -67,9 +43,8 @@ struct AmxProducts : Bf16DotProducts<DIM> {
 
   // Once per tile: the tile configuration (oneDNN may have loaded its own in between).
   static void load_queries(Scratch& w, const uint16_t* const* rows, float scale) {
-    static const TileConfig config = tile_config();
-    _tile_loadconfig(&config);
-    tiles_in_use = true;
+    static const shoal::TileConfig config = tile_config();
+    shoal::load_tiles(config);
     Base::load_queries(w, rows, scale);
   }
 
@@ -154,6 +129,4 @@ struct AmxProducts : Bf16DotProducts<DIM> {
 };
 
 }  // namespace shoal::prefill
-#else
-#define SHOAL_HAS_AMX 0
 #endif

@@ -17,31 +17,6 @@ inline uint32_t pair_at(const uint16_t* p) {
   return bits;
 }
 
-// out[i] = column i of the 16 x 16 block `in` (one row a vector).
-inline void transpose16(const __m512* in, __m512* out) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);  // columns k, k + 8
-    const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);  // columns k + 4, k + 12
-    const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
-    const __m512 d = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
-    out[k] = _mm512_shuffle_f32x4(a, c, 0x88);
-    out[k + 8] = _mm512_shuffle_f32x4(a, c, 0xDD);
-    out[k + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
-    out[k + 12] = _mm512_shuffle_f32x4(b, d, 0xDD);
-  }
-}
-
 // bfloat16 queries, keys and values on CPUs with AVX512_BF16: VDPBF16PS multiplies pairs of
 // bfloat16 into float32 sums, 32 products an instruction, twice the float32 FMA rate, and
 // nothing is widened. Queries are stored as (d, d + 1) pairs per row, each key's pair is
@@ -66,7 +41,7 @@ struct Bf16DotProducts {
           by_row[r] = row ? _mm512_loadu_ps(reinterpret_cast<const float*>(row + 2 * e0))
                         : _mm512_setzero_ps();
         }
-        transpose16(by_row, by_pair);
+        shoal::transpose16(by_row, by_pair);
         float* dst = reinterpret_cast<float*>(w.pairs.data()) + 16 * g;
         for (int e = 0; e < 16; ++e) _mm512_storeu_ps(dst + (e0 + e) * TR, by_pair[e]);
       }

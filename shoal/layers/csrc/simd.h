@@ -84,6 +84,30 @@ inline __m128 vsum4(Vec a, Vec b, Vec c, Vec d) {
       _mm512_castps512_ps256(u), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(u), 1)));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
+// out[i] = column i of the 16 x 16 block `in` (one row a vector).
+inline void transpose16(const __m512* in, __m512* out) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_ps(in[2 * i], in[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_ps(in[2 * i], in[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // u[4i + k], 128-bit lane L: rows 4i..4i+3 of column 4L + k
+    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0x44);
+    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], 0xEE);
+    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0x44);
+    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], 0xEE);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512 a = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);  // columns k, k + 8
+    const __m512 b = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);  // columns k + 4, k + 12
+    const __m512 c = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+    const __m512 d = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    out[k] = _mm512_shuffle_f32x4(a, c, 0x88);
+    out[k + 8] = _mm512_shuffle_f32x4(a, c, 0xDD);
+    out[k + 4] = _mm512_shuffle_f32x4(b, d, 0x88);
+    out[k + 12] = _mm512_shuffle_f32x4(b, d, 0xDD);
+  }
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define SHOAL_ISA "avx2"
 #define SHOAL_HAS_VEC 1
