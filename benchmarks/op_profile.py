@@ -163,8 +163,6 @@ def describe_paths(llm: Any) -> list[str]:
     decode = kernels is not None and kernels.decodes(act, kv)
     prefill = kernels is not None and kernels.prefills(act, kv)
     block_size = model.attention_layers[0].k_cache.shape[1]
-    amx = kernels is not None and kernels.amx_tiles and block_size % 16 == 0
-    decode_tiles = " (AMX tiles)" if amx else " (VDPBF16PS)"
     prefill_tiles = " (float32 tiles, bf16 cache)"
     if kernels is not None and attention.bf16_prefill_tiles(kernels, block_size):
         prefill_tiles = " (AMX tiles)" if kernels.amx_tiles else " (VDPBF16PS tiles)"
@@ -173,7 +171,7 @@ def describe_paths(llm: Any) -> list[str]:
         f"  projections + LM head: {path}",
         "  decode attention: "
         + ("C++ paged kernel" if decode else "torch gather + SDPA")
-        + (decode_tiles if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
+        + (" (VDPBF16PS)" if decode and kv == act == torch.bfloat16 and native_bf16() else ""),
         "  prefill attention: "
         + ("C++ paged flash kernel" if prefill else "torch SDPA per chunk")
         + (prefill_tiles if prefill and act == torch.bfloat16 else ""),

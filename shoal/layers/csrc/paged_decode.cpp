@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "attention_common.h"
-#include "decode_amx.h"
 
 namespace {
 
@@ -298,10 +297,6 @@ extern "C" void paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const u
 #if defined(__AVX512BF16__)
   native = dim == 64 ? attend_bf16<64> : dim == 128 ? attend_bf16<128> : nullptr;
 #endif
-#if SHOAL_HAS_AMX
-  if (native && s.block_size % 16 == 0 && s.heads / s.kv_heads <= 16 && shoal::amx_ready())
-    native = dim == 64 ? shoal::decode::attend_amx<64> : shoal::decode::attend_amx<128>;
-#endif
   const auto widened = pick<float, uint16_t>(dim);
 #pragma omp parallel num_threads(threads)
   {
@@ -319,9 +314,6 @@ extern "C" void paged_decode_bf16(const uint16_t* q, const uint16_t* kc, const u
               scores, acc);
       for (int64_t e = 0; e < width; ++e) ob[e] = shoal::to_bf16(of[e]);
     }
-#if SHOAL_HAS_AMX
-    shoal::release_tiles();
-#endif
   }
 }
 
