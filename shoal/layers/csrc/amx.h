@@ -14,6 +14,8 @@
 
 namespace shoal {
 
+constexpr int kTileRows = 16;  // rows of a full tile: keys read from a block at a time
+
 // Linux lends a process AMX's tile registers only once it asks (arch_prctl); oneDNN asks too.
 inline bool amx_ready() {
   constexpr int kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
@@ -44,4 +46,7 @@ inline void load_tiles(const TileConfig& config) {
 }  // namespace shoal
 #else
 #define SHOAL_HAS_AMX 0
+namespace shoal {
+inline void release_tiles() {}  // no tiles without AMX
+}  // namespace shoal
 #endif

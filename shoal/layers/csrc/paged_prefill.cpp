@@ -238,7 +238,8 @@ Tile<T, KV> tile_for(const Shape& s) {
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) {
 #if SHOAL_HAS_AMX
-    if (s.block_size % KEYS == 0 && shoal::amx_ready()) return tile<T, KV, AmxProducts<DIM>>;
+    if (s.block_size % shoal::kTileRows == 0 && shoal::amx_ready())
+      return tile<T, KV, AmxProducts<DIM>>;
 #endif
     return tile<T, KV, Bf16DotProducts<DIM>>;
   }
@@ -314,9 +315,7 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
         run(q, kc, vc, spans + it.chunk * 3, tables + it.chunk * s.max_blocks, out, s, st,
             float(scale), it, tq, w);
       }
-#if SHOAL_HAS_AMX
       shoal::release_tiles();
-#endif
     }
     return;
   }
@@ -346,7 +345,7 @@ SHOAL_PREFILL(paged_prefill_f32_bf16kv, float, uint16_t)
 
 // Whether bfloat16 prefill tiles run on AMX here (built for it and granted by the kernel).
 extern "C" int shoal_amx_tiles() {
-#if SHOAL_HAS_VEC && SHOAL_HAS_AMX
+#if SHOAL_HAS_AMX
   return shoal::amx_ready() ? 1 : 0;
 #else
   return 0;
