@@ -21,50 +21,8 @@ from typing import Any
 import torch
 
 from shoal.layers import kernel_library
+from shoal.layers.kernel_abi import DECODE, GEMM, GEMM512, PREFILL, SIGNATURES, SUFFIX
 from shoal.layers.weight_packing import PANEL
-
-_P, _I, _D = ctypes.c_void_p, ctypes.c_int64, ctypes.c_double
-_DECODE_ARGS = [_P] * 6 + [_I] * 6 + [_D, _I]
-_PREFILL_ARGS = [_P, _I, _P, _P, _P, _P, _I, _P, _I, _I, _I, _I, _I, _I, _D, _I]
-_GEMM_ARGS = [_P, _I, _I, _I, _P, _I, _P, _I, _P, _I]
-_GEMM512_ARGS = [_P, _I, _I, _I, _P, _I, _I, _P, _I, _P, _I, _I]
-_ROPE_ARGS = [_P, _I, _I, _I, _I, _I, _P, _P, _P, _P, _P, _P, _I]
-_SIGNATURES: dict[str, list[Any]] = {
-    "paged_decode_f32": _DECODE_ARGS,
-    "paged_decode_f64": _DECODE_ARGS,
-    "paged_decode_f32_bf16kv": _DECODE_ARGS,
-    "paged_decode_bf16": _DECODE_ARGS,
-    "paged_prefill_f32": _PREFILL_ARGS,
-    "paged_prefill_f64": _PREFILL_ARGS,
-    "paged_prefill_bf16": _PREFILL_ARGS,
-    "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
-    "gemm_f32": _GEMM_ARGS,
-    "gemm_bf16w": _GEMM_ARGS,
-    "gemm512_f32": _GEMM512_ARGS,
-    "gemm512_bf16": _GEMM512_ARGS,
-    "rope_store_f32_bf16kv": _ROPE_ARGS,
-    "scatter_blocks": [_P, _P, _I, _P, _I, _I, _I],
-    "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
-}
-_SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
-for _s in _SUFFIX.values():
-    _SIGNATURES[f"rms_norm_{_s}"] = [_P, _I, _P, _P, _P, _I, _I, _D, _I]
-    _SIGNATURES[f"silu_mul_{_s}"] = [_P, _I, _P, _I, _I, _I]
-    _SIGNATURES[f"rope_store_{_s}"] = _ROPE_ARGS
-_DECODE = {  # (query dtype, KV cache dtype)
-    (torch.float32, torch.float32): "paged_decode_f32",
-    (torch.float64, torch.float64): "paged_decode_f64",
-    (torch.float32, torch.bfloat16): "paged_decode_f32_bf16kv",
-    (torch.bfloat16, torch.bfloat16): "paged_decode_bf16",
-}
-_PREFILL = {  # (query dtype, KV cache dtype)
-    (torch.float32, torch.float32): "paged_prefill_f32",
-    (torch.float64, torch.float64): "paged_prefill_f64",
-    (torch.bfloat16, torch.bfloat16): "paged_prefill_bf16",
-    (torch.float32, torch.bfloat16): "paged_prefill_f32_bf16kv",
-}
-_GEMM = {torch.float32: "gemm_f32", torch.bfloat16: "gemm_bf16w"}
-_GEMM512 = {torch.float32: "gemm512_f32", torch.bfloat16: "gemm512_bf16"}
 
 
 def _product_out(m: int, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -92,7 +50,7 @@ class CpuKernels:
         self.isa: str = lib.shoal_isa().decode()
         # bfloat16 prefill tiles on AMX: built for it, and the OS lent this process the tiles.
         self.amx_tiles: bool = bool(lib.shoal_amx_tiles())
-        for name, args in _SIGNATURES.items():
+        for name, args in SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is not None:
                 fn.restype, fn.argtypes = None, args
@@ -103,7 +61,7 @@ class CpuKernels:
     # -- dense projections (AVX2 + FMA builds) ------------------------------------------------
     def has_gemm(self, weight_dtype: torch.dtype) -> bool:
         """Whether float32 activations meet a packed weight of this dtype here."""
-        return hasattr(self.lib, _GEMM.get(weight_dtype, "-"))
+        return hasattr(self.lib, GEMM.get(weight_dtype, "-"))
 
     def gemm(
         self, x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
@@ -116,7 +74,7 @@ class CpuKernels:
         m, k = x.shape
         assert packed.shape[1] == k and (bias is None or bias.dtype == torch.float32)
         out = _product_out(m, n, torch.float32)
-        self._fn(_GEMM[packed.dtype])(
+        self._fn(GEMM[packed.dtype])(
             x.data_ptr(),
             m,
             k,
@@ -133,7 +91,7 @@ class CpuKernels:
     def has_gemm512(self, dtype: torch.dtype) -> bool:
         """Whether `dtype` rows meet a weight of `dtype` in the AVX-512 kernel here (bfloat16
         takes AVX512_BF16)."""
-        return hasattr(self.lib, _GEMM512.get(dtype, "-"))
+        return hasattr(self.lib, GEMM512.get(dtype, "-"))
 
     def gemm512(
         self,
@@ -154,7 +112,7 @@ class CpuKernels:
         panels = packed.shape[0]
         assert packed.stride(0) == k * PANEL and (bias is None or bias.numel() == panels * PANEL)
         out = _product_out(m, n, x.dtype)
-        self._fn(_GEMM512[x.dtype])(
+        self._fn(GEMM512[x.dtype])(
             x.data_ptr(),
             m,
             k,
@@ -172,7 +130,7 @@ class CpuKernels:
 
     # -- decode attention -----------------------------------------------------------------------
     def decodes(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-        return (q_dtype, kv_dtype) in _DECODE
+        return (q_dtype, kv_dtype) in DECODE
 
     def paged_decode(
         self,
@@ -190,7 +148,7 @@ class CpuKernels:
             assert t.is_contiguous()
         batch, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        self._fn(_DECODE[q.dtype, k_cache.dtype])(
+        self._fn(DECODE[q.dtype, k_cache.dtype])(
             q.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
@@ -208,7 +166,7 @@ class CpuKernels:
         )
 
     def prefills(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
-        return (q_dtype, kv_dtype) in _PREFILL
+        return (q_dtype, kv_dtype) in PREFILL
 
     def paged_prefill(
         self,
@@ -232,7 +190,7 @@ class CpuKernels:
             assert t.stride(2) == 1 and t.stride(1) == t.shape[2]
         _, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
-        self._fn(_PREFILL[q.dtype, k_cache.dtype])(
+        self._fn(PREFILL[q.dtype, k_cache.dtype])(
             q.data_ptr(),
             q.stride(0),
             k_cache.data_ptr(),
@@ -253,7 +211,7 @@ class CpuKernels:
 
     # -- element-wise work of a layer -----------------------------------------------------------
     def elementwise(self, dtype: torch.dtype) -> bool:
-        return dtype in _SUFFIX
+        return dtype in SUFFIX
 
     def rms_norm(
         self,
@@ -267,7 +225,7 @@ class CpuKernels:
         h = x.shape[-1]
         rows = x if x.dim() == 2 and x.stride(1) == 1 else x.reshape(-1, h).contiguous()
         out = torch.empty(rows.shape, dtype=x.dtype)
-        self._fn(f"rms_norm_{_SUFFIX[x.dtype]}")(
+        self._fn(f"rms_norm_{SUFFIX[x.dtype]}")(
             rows.data_ptr(),
             rows.stride(0),
             _ptr(residual),
@@ -285,14 +243,26 @@ class CpuKernels:
         assert gate_up.dim() == 2 and gate_up.stride(1) == 1
         m, n = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty(m, n, dtype=gate_up.dtype)
-        self._fn(f"silu_mul_{_SUFFIX[gate_up.dtype]}")(
+        self._fn(f"silu_mul_{SUFFIX[gate_up.dtype]}")(
             gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), m, n, _threads()
+        )
+        return out
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """Each row's index of its largest value, the first on ties (torch's rule); None for a
+        dtype the kernel does not read (it takes float32 and bfloat16)."""
+        if logits.dtype not in (torch.float32, torch.bfloat16) or logits.stride(1) != 1:
+            return None
+        rows, n = logits.shape
+        out = torch.empty(rows, dtype=torch.int64)
+        self._fn(f"argmax_{SUFFIX[logits.dtype]}")(
+            logits.data_ptr(), logits.stride(0), rows, n, out.data_ptr(), _threads()
         )
         return out
 
     def ropes(self, act_dtype: torch.dtype, kv_dtype: torch.dtype) -> bool:
         if act_dtype == kv_dtype:
-            return act_dtype in _SUFFIX
+            return act_dtype in SUFFIX
         return (act_dtype, kv_dtype) == (torch.float32, torch.bfloat16)
 
     def rope_store(
@@ -316,7 +286,7 @@ class CpuKernels:
         name = (
             "rope_store_f32_bf16kv"
             if (qkv.dtype, k_cache.dtype) == (torch.float32, torch.bfloat16)
-            else f"rope_store_{_SUFFIX[qkv.dtype]}"
+            else f"rope_store_{SUFFIX[qkv.dtype]}"
         )
         self._fn(name)(
             qkv.data_ptr(),

@@ -32,6 +32,7 @@ _SOURCES = (
     "gemm512.cpp",
     "elementwise.cpp",
     "blocks.cpp",
+    "argmax.cpp",
 )
 _COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
 _LINK = ["-shared", "-pthread", "-fopenmp"]

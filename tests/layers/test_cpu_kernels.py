@@ -226,6 +226,21 @@ def test_silu_mul_matches_float64(kernels: CpuKernels, dtype: torch.dtype) -> No
     torch.testing.assert_close(kernels.silu_mul(gate_up).double(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [1, 63, 1000])
+def test_argmax_is_torchs_including_ties(
+    kernels: CpuKernels, dtype: torch.dtype, width: int
+) -> None:
+    logits = _act((9, width + 7), dtype, 5)[:, :width]  # strided rows
+    logits[1, -1] = 100.0  # the max in the tail after the vector steps
+    logits[2] = -3.0  # all tied: the first index
+    logits[3, width // 2 :] = 100.0  # tied from the middle on
+    logits[4, 0] = 100.0
+    got = kernels.argmax(logits)
+    assert got is not None and torch.equal(got, logits.argmax(dim=-1))
+    assert kernels.argmax(logits.double()) is None  # float64 is left to torch
+
+
 @pytest.mark.parametrize(
     ("dtype", "kv_dtype"),
     [
