@@ -43,7 +43,8 @@ def _tcmalloc() -> str:
     raise FileNotFoundError("libtcmalloc_minimal.so.4 not found: run benchmarks/setup_vllm_cpu.sh")
 
 
-def _env(root: Path, threads: int) -> dict[str, str]:
+def environment(root: Path, threads: int) -> dict[str, str]:
+    """The environment vLLM's CPU docs advise (see above), for a process of its venv."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # nothing of shoal's venv in vLLM's
     env.update(
@@ -70,7 +71,7 @@ def _run(root: Path, job: dict[str, Any], threads: int) -> dict[str, Any]:
         cmd = [str(root / "venv" / "bin" / "python"), str(WORKER), str(job_file), str(result_file)]
         with log_path.open("w") as log:
             proc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(root, threads), cwd=tmp
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=environment(root, threads), cwd=tmp
             )
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace")[-3000:]

@@ -58,7 +58,7 @@ def parent(args: argparse.Namespace) -> None:
         subprocess.run([*pip, *SHOAL_DEPS], check=True)
         (deps / ".installed").touch()
     work = w1_workload(49152, args.num_requests, args.max_tokens)  # SmolLM2's vocabulary
-    env = vllm_peer._env(root, args.threads)
+    env = vllm_peer.environment(root, args.threads)
     env.update(PYTHONPATH=f"{REPO}{os.pathsep}{deps}", VLLM_ENABLE_V1_MULTIPROCESSING="0")
     with tempfile.TemporaryDirectory(prefix="shoal-paired-") as tmp:
         job = Path(tmp) / "job.json"
