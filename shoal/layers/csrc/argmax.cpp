@@ -22,30 +22,17 @@ int64_t argmax_row(const T* row, int64_t n) {
   float best = widen(row[0]);
   int64_t i = 0, at = 0;
 #if SHOAL_HAS_VEC
-  using shoal::kLanes;
-  using shoal::Vec;
-#if defined(__AVX512F__)
-  auto vmax = [](Vec a, Vec b) { return _mm512_max_ps(a, b); };
-  auto has = [](Vec v, Vec m) { return _mm512_cmp_ps_mask(v, m, _CMP_EQ_OQ) != 0; };
-  auto hmax = [](Vec v) { return _mm512_reduce_max_ps(v); };
-#else
-  auto vmax = [](Vec a, Vec b) { return _mm256_max_ps(a, b); };
-  auto has = [](Vec v, Vec m) { return _mm256_movemask_ps(_mm256_cmp_ps(v, m, _CMP_EQ_OQ)) != 0; };
-  auto hmax = [](Vec v) {
-    float lanes[kLanes];
-    _mm256_storeu_ps(lanes, v);
-    return *std::max_element(lanes, lanes + kLanes);
-  };
-#endif
-  Vec m[4] = {shoal::vset1(best), shoal::vset1(best), shoal::vset1(best), shoal::vset1(best)};
-  for (; i + 4 * kLanes <= n; i += 4 * kLanes)
-    for (int u = 0; u < 4; ++u) m[u] = vmax(m[u], shoal::vload(row + i + u * kLanes));
-  best = hmax(vmax(vmax(m[0], m[1]), vmax(m[2], m[3])));
+  using shoal::vmax;
+  constexpr int64_t L = shoal::kLanes;
+  shoal::Vec m[4] = {shoal::vset1(best), shoal::vset1(best), shoal::vset1(best), shoal::vset1(best)};
+  for (; i + 4 * L <= n; i += 4 * L)
+    for (int u = 0; u < 4; ++u) m[u] = vmax(m[u], shoal::vload(row + i + u * L));
+  best = shoal::vhmax(vmax(vmax(m[0], m[1]), vmax(m[2], m[3])));
 #endif
   for (int64_t j = i; j < n; ++j) best = std::max(best, widen(row[j]));
 #if SHOAL_HAS_VEC
-  const Vec target = shoal::vset1(best);
-  while (at + kLanes <= n && !has(shoal::vload(row + at), target)) at += kLanes;
+  const shoal::Vec target = shoal::vset1(best);
+  while (at + L <= n && !shoal::vany_eq(shoal::vload(row + at), target)) at += L;
 #endif
   while (widen(row[at]) != best) ++at;
   return at;
