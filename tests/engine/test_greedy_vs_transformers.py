@@ -7,6 +7,7 @@ Every workload ends with the whole pool free again.
 
 from __future__ import annotations
 
+import os
 import random
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,10 @@ from shoal.outputs import RequestOutput
 
 VOCAB_LOW, VOCAB_HIGH = 3, 319  # stay clear of pad/bos/eos (0, 1, 2)
 
+# `SHOAL_TEST_DEVICE=cuda` runs every case on a GPU (torch's attention and sampling paths);
+# CI has none, so by default they run on the CPU.
+DEVICE = os.environ.get("SHOAL_TEST_DEVICE", "cpu")
+
 _HF_CACHE: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
 
 
@@ -31,6 +36,8 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
     them (pure torch, as on a machine with no compiler)."""
     if request.param == "torch":
         monkeypatch.setattr(cpu_kernels, "native", lambda: None)
+    elif DEVICE != "cpu":
+        pytest.skip(f"the C++ kernels run on the CPU, not {DEVICE}")
     elif cpu_kernels.native() is None:
         pytest.skip("no C++ compiler for the kernels")
 
@@ -67,11 +74,11 @@ SMALL_KV = 8 << 20
 
 def make_engine(path: Path, **kw: Any) -> Engine:
     kw.setdefault("kv_cache_bytes", SMALL_KV)
-    return Engine(EngineConfig(model=str(path), dtype="float64", **kw))
+    return Engine(EngineConfig(model=str(path), dtype="float64", device=DEVICE, **kw))
 
 
 def make_llm(path: Path, **kw: Any) -> LLM:
-    return LLM(str(path), dtype="float64", kv_cache_bytes=SMALL_KV, **kw)
+    return LLM(str(path), dtype="float64", kv_cache_bytes=SMALL_KV, device=DEVICE, **kw)
 
 
 def run_staggered(
