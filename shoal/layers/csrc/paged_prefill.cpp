@@ -21,6 +21,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -49,27 +50,26 @@ using shoal::kLanes;
 using shoal::Vec;
 using namespace shoal::prefill;
 
-// st[j][r] = sum_d k[j][d] * qt[d][r] for NK keys given as float rows.
-template <int NK>
+// st[j][r] = sum_d k[j][d] * qt[d][r] for NK keys given as float rows, the first NR row
+// vectors of the tile.
+template <int NK, int NR>
 inline void key_block(const float* qt, const float* const* k, int64_t dim, float* st) {
-  Vec acc[NK][RV];
+  Vec acc[NK][NR];
 #pragma GCC unroll 8
   for (int j = 0; j < NK; ++j)
-    for (int v = 0; v < RV; ++v) acc[j][v] = shoal::vzero();
+    for (int v = 0; v < NR; ++v) acc[j][v] = shoal::vzero();
   for (int64_t d = 0; d < dim; ++d) {
-    const Vec q0 = shoal::vload(qt + d * TR), q1 = shoal::vload(qt + d * TR + kLanes),
-              q2 = shoal::vload(qt + d * TR + 2 * kLanes);
+    Vec q[NR];
+    for (int v = 0; v < NR; ++v) q[v] = shoal::vload(qt + d * TR + v * kLanes);
 #pragma GCC unroll 8
     for (int j = 0; j < NK; ++j) {
       const Vec kj = shoal::vset1(k[j][d]);
-      acc[j][0] = shoal::vfma(kj, q0, acc[j][0]);
-      acc[j][1] = shoal::vfma(kj, q1, acc[j][1]);
-      acc[j][2] = shoal::vfma(kj, q2, acc[j][2]);
+      for (int v = 0; v < NR; ++v) acc[j][v] = shoal::vfma(kj, q[v], acc[j][v]);
     }
   }
 #pragma GCC unroll 8
   for (int j = 0; j < NK; ++j)
-    for (int v = 0; v < RV; ++v) shoal::vstore(st + j * TR + v * kLanes, acc[j][v]);
+    for (int v = 0; v < NR; ++v) shoal::vstore(st + j * TR + v * kLanes, acc[j][v]);
 }
 
 // o[r][d0 : d0 + NV lanes] = o[r][...] * alpha[r] + sum_j p[j][r] * v[j][...] for RB rows.
@@ -100,8 +100,9 @@ inline void value_block(const float* pt, const KV* const* v, int nkeys, const fl
 
 // The two products of a tile in float32 FMAs: queries transposed and pre-scaled into qt[d][row],
 // keys as float32 rows (widened into L1 for a bfloat16 cache), values read in place.
-template <typename T, typename KV, int DIM>
+template <typename T, typename KV, int DIM, int NR>
 struct FmaProducts {
+  static constexpr int kRows = NR * kLanes;  // rows in use: the first NR row vectors
   static constexpr int NV = DIM / kLanes;
   static constexpr int NVC = NV < 4 ? NV : 4;  // value vectors per register block
   static constexpr int RB = ACC / NVC;         // rows per register block (divides TR)
@@ -112,10 +113,10 @@ struct FmaProducts {
   // first column (row by row, the scattered stores cost 6% of the kernel).
   static void load_queries(Scratch& w, const T* const* rows, float scale) {
     static const T zeros[DIM] = {};
-    const T* src[TR];
-    for (int r = 0; r < TR; ++r) src[r] = rows[r] ? rows[r] : zeros;
+    const T* src[kRows];
+    for (int r = 0; r < kRows; ++r) src[r] = rows[r] ? rows[r] : zeros;
     for (int64_t d = 0; d < DIM; ++d)
-      for (int r = 0; r < TR; ++r) w.qt[d * TR + r] = widen(src[r][d]) * scale;
+      for (int r = 0; r < kRows; ++r) w.qt[d * TR + r] = widen(src[r][d]) * scale;
   }
 
   static void scores(Scratch& w, const KV* const* k, int n, float* sc, float /*in queries*/) {
@@ -123,19 +124,19 @@ struct FmaProducts {
     for (int j = 0; j < n; ++j) {
       if constexpr (sizeof(KV) == sizeof(float)) {
         krows[j] = reinterpret_cast<const float*>(k[j]);
-      } else {  // widen once; the product broadcasts each element RV times
+      } else {  // widen once; the product broadcasts each element NR times
         float* dst = w.keys.data() + j * DIM;
         for (int c = 0; c < NV; ++c) shoal::vstore(dst + c * kLanes, shoal::vload(k[j] + c * kLanes));
         krows[j] = dst;
       }
     }
     int j = 0;
-    for (; j + KB <= n; j += KB) key_block<KB>(w.qt.data(), krows + j, DIM, sc + j * TR);
-    for (; j < n; ++j) key_block<1>(w.qt.data(), krows + j, DIM, sc + j * TR);
+    for (; j + KB <= n; j += KB) key_block<KB, NR>(w.qt.data(), krows + j, DIM, sc + j * TR);
+    for (; j < n; ++j) key_block<1, NR>(w.qt.data(), krows + j, DIM, sc + j * TR);
   }
 
   static void values(Scratch& w, const KV* const* v, int n, const float* p, const float* alpha) {
-    for (int r0 = 0; r0 < TR; r0 += RB)
+    for (int r0 = 0; r0 < kRows; r0 += RB)  // RB divides TR: a last block stays in scratch
       for (int64_t d0 = 0; d0 < DIM; d0 += NVC * kLanes)
         value_block<KV, RB, NVC>(p, v, n, alpha, w.o.data(), DIM, r0, d0);
   }
@@ -160,8 +161,9 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
   const int64_t token_stride = s.kv_heads * dim;
   w.kv_stride = token_stride;
   float *m = w.m.data(), *l = w.l.data(), *sc = w.st.data(), *alpha = w.alpha.data();
+  constexpr int R = P::kRows;  // rows in use (at least `rows`)
   const T* qrows[TR];
-  for (int64_t r = 0; r < TR; ++r) {
+  for (int64_t r = 0; r < R; ++r) {
     const bool real = r < rows;
     qrows[r] = real ? q + (q_start + it.t0 + r / group) * st_.q + (g * group + r % group) * dim
                     : nullptr;
@@ -191,33 +193,33 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
         float* row = sc + jj * TR;
         const int64_t key = k0 + jj;
 #pragma omp simd
-        for (int r = 0; r < TR; ++r) row[r] = key > w.pos[r] ? kMasked : row[r];
+        for (int r = 0; r < R; ++r) row[r] = key > w.pos[r] ? kMasked : row[r];
       }
     }
     // Online softmax, vectorized over rows: new max, rescale factor, probabilities, sums.
-    float mx[TR], sum[TR];
+    float mx[R], sum[R];
 #pragma omp simd
-    for (int r = 0; r < TR; ++r) {
+    for (int r = 0; r < R; ++r) {
       mx[r] = m[r];
       sum[r] = 0.0f;
     }
     for (int jj = 0; jj < n; ++jj) {
       const float* row = sc + jj * TR;
 #pragma omp simd
-      for (int r = 0; r < TR; ++r) mx[r] = row[r] > mx[r] ? row[r] : mx[r];
+      for (int r = 0; r < R; ++r) mx[r] = row[r] > mx[r] ? row[r] : mx[r];
     }
 #pragma omp simd
-    for (int r = 0; r < TR; ++r) alpha[r] = shoal::exp_nonpositive(m[r] - mx[r]);
+    for (int r = 0; r < R; ++r) alpha[r] = shoal::exp_nonpositive(m[r] - mx[r]);
     for (int jj = 0; jj < n; ++jj) {
       float* row = sc + jj * TR;
 #pragma omp simd
-      for (int r = 0; r < TR; ++r) {
+      for (int r = 0; r < R; ++r) {
         row[r] = shoal::exp_nonpositive(row[r] - mx[r]);
         sum[r] += row[r];
       }
     }
 #pragma omp simd
-    for (int r = 0; r < TR; ++r) {
+    for (int r = 0; r < R; ++r) {
       l[r] = l[r] * alpha[r] + sum[r];
       m[r] = mx[r];
     }
@@ -233,28 +235,40 @@ template <typename T, typename KV>
 using Tile = void (*)(const T*, const KV*, const KV*, const int64_t*, const int64_t*, T*,
                       const Shape&, Strides, float, const Item&, int64_t, Scratch&);
 
-template <typename T, typename KV, int DIM>
+template <typename T, typename KV, int DIM, int NR>
 Tile<T, KV> tile_for(const Shape& s) {
 #if defined(__AVX512BF16__)
   if constexpr (sizeof(T) == 2 && sizeof(KV) == 2) {
 #if SHOAL_HAS_AMX
     if (s.block_size % shoal::kTileRows == 0 && shoal::amx_ready())
-      return tile<T, KV, AmxProducts<DIM>>;
+      return tile<T, KV, AmxProducts<DIM, NR>>;
 #endif
-    return tile<T, KV, Bf16DotProducts<DIM>>;
+    return tile<T, KV, Bf16DotProducts<DIM, NR>>;
   }
 #endif
-  return tile<T, KV, FmaProducts<T, KV, DIM>>;
+  return tile<T, KV, FmaProducts<T, KV, DIM, NR>>;
+}
+
+// The tile for each number of row vectors in use, 1 to RV (`tiles[nr - 1]`): a tile of a few
+// query tokens (the last of a chunk; a step's verification of draft tokens) computes only the
+// rows it holds, not all TR.
+template <typename T, typename KV>
+using Tiles = std::array<Tile<T, KV>, RV>;
+
+template <typename T, typename KV, int DIM>
+Tiles<T, KV> tiles_for(const Shape& s) {
+  static_assert(RV == 3, "one entry per row vector");
+  return {tile_for<T, KV, DIM, 1>(s), tile_for<T, KV, DIM, 2>(s), tile_for<T, KV, DIM, 3>(s)};
 }
 
 template <typename T, typename KV>
-Tile<T, KV> pick_tile(const Shape& s) {
+Tiles<T, KV> pick_tiles(const Shape& s) {
   if constexpr (sizeof(shoal::acc_t<T>) == sizeof(float)) {
     const int64_t group = s.heads / s.kv_heads;
-    if (group <= TR && s.dim == 64) return tile_for<T, KV, 64>(s);
-    if (group <= TR && s.dim == 128) return tile_for<T, KV, 128>(s);
+    if (group <= TR && s.dim == 64) return tiles_for<T, KV, 64>(s);
+    if (group <= TR && s.dim == 128) return tiles_for<T, KV, 128>(s);
   }
-  return nullptr;
+  return {};
 }
 #endif
 
@@ -292,7 +306,7 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
              int64_t num_threads) {
 #if SHOAL_HAS_VEC
   const int64_t group = s.heads / s.kv_heads;
-  if (const auto run = pick_tile<T, KV>(s)) {
+  if (const Tiles<T, KV> tiles = pick_tiles<T, KV>(s); tiles[0]) {
     const int64_t tq = TR / group;  // query tokens per tile
     std::vector<Item> items;
     for (int64_t c = 0; c < num_chunks; ++c)
@@ -312,8 +326,10 @@ void prefill(const T* q, const KV* kc, const KV* vc, const int64_t* spans, const
 #pragma omp for schedule(dynamic, 1)
       for (int64_t i = 0; i < n; ++i) {
         const Item& it = items[i];
-        run(q, kc, vc, spans + it.chunk * 3, tables + it.chunk * s.max_blocks, out, s, st,
-            float(scale), it, tq, w);
+        const int64_t rows = std::min(tq, spans[it.chunk * 3 + 1] - it.t0) * group;
+        tiles[(rows + kLanes - 1) / kLanes - 1](q, kc, vc, spans + it.chunk * 3,
+                                                 tables + it.chunk * s.max_blocks, out, s, st,
+                                                 float(scale), it, tq, w);
       }
       shoal::release_tiles();
     }

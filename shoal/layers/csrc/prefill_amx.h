@@ -31,9 +31,10 @@ inline shoal::TileConfig tile_config() {
   return c;
 }
 
-template <int DIM>
-struct AmxProducts : Bf16DotProducts<DIM> {
-  using Base = Bf16DotProducts<DIM>;
+template <int DIM, int NR>
+struct AmxProducts : Bf16DotProducts<DIM, NR> {
+  using Base = Bf16DotProducts<DIM, NR>;
+  using Base::kRows;
   static constexpr int NP = DIM / 32;  // 32-dimension chunks of a row
   static constexpr int NO = DIM / 16;  // 16-column output tiles of a row
   // Keys per online-softmax step: 64, so that each output tile's trip through memory (to be
@@ -52,27 +53,31 @@ struct AmxProducts : Bf16DotProducts<DIM> {
   static void scores(Scratch& w, const uint16_t* const* k, int n, float* sc, float scale) {
     const uint32_t* qt = w.pairs.data();
     const int64_t key_bytes = w.kv_stride * int64_t(sizeof(uint16_t)), pair_bytes = TR * 4;
-    for (int j0 = 0; j0 < n; j0 += 16) {
+    for (int j0 = 0; j0 < n; j0 += 16) {  // one output tile per row vector in use
       _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
+      if constexpr (NR > 1) _tile_zero(1);
+      if constexpr (NR > 2) _tile_zero(2);
       for (int c = 0; c < NP; ++c) {
         const uint32_t* q = qt + 16 * c * TR;  // pairs 16c..16c+15 of every row
         _tile_loadd(3, k[j0] + 32 * c, key_bytes);
         _tile_loadd(4, q, pair_bytes);
         _tile_dpbf16ps(0, 3, 4);
-        _tile_loadd(4, q + 16, pair_bytes);
-        _tile_dpbf16ps(1, 3, 4);
-        _tile_loadd(4, q + 32, pair_bytes);
-        _tile_dpbf16ps(2, 3, 4);
+        if constexpr (NR > 1) {
+          _tile_loadd(4, q + 16, pair_bytes);
+          _tile_dpbf16ps(1, 3, 4);
+        }
+        if constexpr (NR > 2) {
+          _tile_loadd(4, q + 32, pair_bytes);
+          _tile_dpbf16ps(2, 3, 4);
+        }
       }
       _tile_stored(0, sc + j0 * TR, pair_bytes);
-      _tile_stored(1, sc + j0 * TR + 16, pair_bytes);
-      _tile_stored(2, sc + j0 * TR + 32, pair_bytes);
+      if constexpr (NR > 1) _tile_stored(1, sc + j0 * TR + 16, pair_bytes);
+      if constexpr (NR > 2) _tile_stored(2, sc + j0 * TR + 32, pair_bytes);
     }
     const __m512 s = _mm512_set1_ps(scale);
     for (int j = 0; j < n; ++j)
-      for (int v = 0; v < RV; ++v)
+      for (int v = 0; v < NR; ++v)
         _mm512_storeu_ps(sc + j * TR + 16 * v, _mm512_mul_ps(_mm512_loadu_ps(sc + j * TR + 16 * v), s));
   }
 
@@ -82,7 +87,7 @@ struct AmxProducts : Bf16DotProducts<DIM> {
     uint16_t* probs = w.tiles.data();     // [TR][kKeys] bfloat16, zero past n
     uint16_t* pairs = probs + TR * kKeys; // [NO][kKeys / 2][32]: value tiles, zero past n
     const __m512 zero = _mm512_setzero_ps();
-    for (int g = 0; g < RV; ++g) {  // rows 16g..16g+15: keys x rows -> rows x keys
+    for (int g = 0; g < NR; ++g) {  // rows 16g..16g+15: keys x rows -> rows x keys
       for (int j0 = 0; j0 < 32 * halves; j0 += 16) {
         __m512 by_key[16], by_row[16];
         for (int j = 0; j < 16; ++j)
@@ -104,12 +109,12 @@ struct AmxProducts : Bf16DotProducts<DIM> {
       }
     }
     float* o = w.o.data();
-    for (int r = 0; r < TR; ++r) {
+    for (int r = 0; r < kRows; ++r) {
       const __m512 a = _mm512_set1_ps(alpha[r]);
       for (int c = 0; c < NO; ++c)
         _mm512_storeu_ps(o + r * DIM + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(o + r * DIM + 16 * c), a));
     }
-    for (int g = 0; g < RV; ++g) {
+    for (int g = 0; g < NR; ++g) {
       _tile_loadd(3, probs + 16 * g * kKeys, kKeys * 2);
       if (halves > 1) _tile_loadd(4, probs + 16 * g * kKeys + 32, kKeys * 2);
       for (int c = 0; c < NO; ++c) {

@@ -23,8 +23,9 @@ inline uint32_t pair_at(const uint16_t* p) {
 // broadcast against them; the probabilities are rounded to (key, key + 1) pairs (as
 // transformers rounds them to bfloat16 before P·V) and meet two keys' value rows interleaved
 // by unpack lo/hi, which permutes the dimensions of `o`; `value` undoes it.
-template <int DIM>
+template <int DIM, int NR>
 struct Bf16DotProducts {
+  static constexpr int kRows = NR * 16;         // rows in use: the first NR row vectors
   static constexpr int NP = DIM / 32;           // vectors of 32 bfloat16 per row
   static constexpr int NO = DIM / 16;           // float32 output vectors per row
   static constexpr int RB = ACC / NO;           // rows per register block (divides TR)
@@ -33,7 +34,7 @@ struct Bf16DotProducts {
 
   // Each 16 rows x 16 pairs block transposed in registers (missing rows are zeros).
   static void load_queries(Scratch& w, const uint16_t* const* rows, float) {
-    for (int g = 0; g < RV; ++g) {
+    for (int g = 0; g < NR; ++g) {
       for (int e0 = 0; e0 < DIM / 2; e0 += 16) {
         __m512 by_row[16], by_pair[16];
         for (int r = 0; r < 16; ++r) {
@@ -57,20 +58,20 @@ struct Bf16DotProducts {
 
   template <int NK>
   static void key_block(const uint32_t* qt, const uint16_t* const* k, float* sc, float scale) {
-    __m512 acc[NK][RV];
+    __m512 acc[NK][NR];
     for (int j = 0; j < NK; ++j)
-      for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_setzero_ps();
+      for (int v = 0; v < NR; ++v) acc[j][v] = _mm512_setzero_ps();
     for (int64_t e = 0; e < DIM / 2; ++e) {
-      __m512bh q[RV];
-      for (int v = 0; v < RV; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qt + e * TR + v * 16);
+      __m512bh q[NR];
+      for (int v = 0; v < NR; ++v) q[v] = (__m512bh)_mm512_loadu_si512(qt + e * TR + v * 16);
       for (int j = 0; j < NK; ++j) {
         const __m512bh kj = (__m512bh)_mm512_set1_epi32(int(pair_at(k[j] + 2 * e)));
-        for (int v = 0; v < RV; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kj, q[v]);
+        for (int v = 0; v < NR; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], kj, q[v]);
       }
     }
     const __m512 s = _mm512_set1_ps(scale);
     for (int j = 0; j < NK; ++j)
-      for (int v = 0; v < RV; ++v) _mm512_storeu_ps(sc + j * TR + v * 16, _mm512_mul_ps(acc[j][v], s));
+      for (int v = 0; v < NR; ++v) _mm512_storeu_ps(sc + j * TR + v * 16, _mm512_mul_ps(acc[j][v], s));
   }
 
   static void values(Scratch& w, const uint16_t* const* v, int n, const float* p,
@@ -81,7 +82,7 @@ struct Bf16DotProducts {
     const __m512i zero = _mm512_setzero_si512();
     for (int jp = 0; jp < np; ++jp) {
       const bool two = 2 * jp + 1 < n;
-      for (int rv = 0; rv < RV; ++rv) {
+      for (int rv = 0; rv < NR; ++rv) {
         const __m512i lo = _mm512_cvtepu16_epi32(
             (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(p + 2 * jp * TR + rv * 16)));
         const __m512i hi = two ? _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(
@@ -97,7 +98,7 @@ struct Bf16DotProducts {
       }
     }
     float* o = w.o.data();
-    for (int r0 = 0; r0 < TR; r0 += RB) {
+    for (int r0 = 0; r0 < kRows; r0 += RB) {  // RB divides TR: a last block stays in scratch
       __m512 acc[RB][NO];
       for (int r = 0; r < RB; ++r) {
         const __m512 a = _mm512_set1_ps(alpha[r0 + r]);
