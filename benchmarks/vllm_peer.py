@@ -94,8 +94,26 @@ def notable_log_lines(root: Path) -> list[str]:
     return list(seen)
 
 
-def w1(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threads: int) -> PeerRun:
-    """Every prompt in one `LLM.generate`, as shoal runs them."""
+def ngram(k: int) -> dict[str, Any]:
+    """vLLM's prompt-lookup speculation (`method="ngram"`), looking up as shoal's defaults do."""
+    return {
+        "method": "ngram",
+        "num_speculative_tokens": k,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+    }
+
+
+def w1(
+    root: Path,
+    dtype: str,
+    prompts: list[list[int]],
+    max_tokens: int,
+    threads: int,
+    speculative_config: dict[str, Any] | None = None,
+) -> PeerRun:
+    """Every prompt in one `LLM.generate`, as shoal runs them (with `speculative_config`,
+    vLLM's speculation)."""
     job = {
         "work": "w1",
         "dtype": dtype,
@@ -103,6 +121,7 @@ def w1(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, thread
         "enable_prefix_caching": True,  # both engines' default; W1's prompts share nothing
         "prompts": prompts,
         "max_tokens": max_tokens,
+        "speculative_config": speculative_config,
     }
     result = _run(root, job, threads)
     outputs = result["outputs"]

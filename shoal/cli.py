@@ -38,6 +38,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--kv-cache-gib", type=float, default=d.kv_cache_bytes / GiB, help="KV block pool size"
     )
     p.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    p.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="draft tokens a step by prompt lookup, for greedy requests (0: off)",
+    )
     p.add_argument("--cache-dir", default=None, help="where session KV persists across restarts")
 
 
@@ -62,6 +68,7 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         max_model_len=args.max_model_len,
         kv_cache_bytes=int(args.kv_cache_gib * GiB),
         enable_prefix_caching=not args.no_prefix_caching,
+        num_speculative_tokens=args.num_speculative_tokens,
         cache_dir=args.cache_dir,
         **extra,  # type: ignore[arg-type]
     )

@@ -52,6 +52,12 @@ class EngineConfig:
     # finished turn's session KV is written behind there, and a session this engine does not
     # hold is restored from there (`engine/session_tier.py`; torch backend).
     session_tier_dir: str | None = None
+    # Speculation by prompt lookup for greedy requests (`engine/ngram.py`; vLLM's "ngram"
+    # method): up to this many draft tokens a step, matched on the last `prompt_lookup_max`
+    # down to `prompt_lookup_min` tokens. 0 turns it off.
+    num_speculative_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -68,3 +74,9 @@ class EngineConfig:
             raise InvalidRequestError("session_tier_dir needs the torch backend")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
+        if self.num_speculative_tokens < 0:
+            raise InvalidRequestError("num_speculative_tokens must be >= 0")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.num_speculative_tokens and self.backend != "torch":
+            raise InvalidRequestError("num_speculative_tokens needs the torch backend")

@@ -112,3 +112,21 @@ def test_the_installed_command_runs(tiny_tok):
     result = json.loads(line)
     assert result["prompt"] == "w9 w10" and result["finish_reason"] in ("stop", "length")
     assert len(result["text"].split()) <= 2
+
+
+def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, monkeypatch, capsys):
+    args = ["generate", "w5 w6 w5 w6 w5", "--model", str(tiny_tok), "--dtype", "float64"]
+    args += ["--raw", "--json", "--max-tokens", "12"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    made: list[Any] = []
+    original = shoal.llm.LLM
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        made.append(original(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(shoal.llm, "LLM", spy)
+    assert main([*args, "--num-speculative-tokens", "3"]) == 0
+    assert made[0].engine.config.num_speculative_tokens == 3
+    assert json.loads(capsys.readouterr().out)["text"] == plain["text"]

@@ -51,6 +51,8 @@ class Engine:
         self.outputs = parts.outputs
         self.step_thread: threading.Thread | None = None  # set while an AsyncEngine owns it
         self.num_generated_tokens = 0
+        self.num_draft_tokens = 0  # proposed by prompt lookup, and of those kept
+        self.num_accepted_tokens = 0
         self._requests: RequestTable[Sequence] = RequestTable(self.config.max_waiting)
         self._inbox: deque[tuple[str, Sequence]] = deque()
 
@@ -118,9 +120,15 @@ class Engine:
             self._save_if_closing()
             return outputs
         seqs, sampled = self.runner.execute(batch)
+        before = sum(s.num_output_tokens for s in seqs)
         finished = self.outputs.process(seqs, sampled, time.monotonic())
-        self.num_generated_tokens += len(seqs)
+        self.num_generated_tokens += sum(s.num_output_tokens for s in seqs) - before
+        self.num_accepted_tokens += sum(map(len, sampled.accepted_drafts or []))
         for seq in batch.seqs:
+            if seq.draft_token_ids:  # the KV past the kept drafts is not the sequence's
+                self.num_draft_tokens += len(seq.draft_token_ids)
+                seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+                seq.draft_token_ids = []
             self.kv.commit(seq)
         for seq, reason in finished:
             self.scheduler.finish(seq, reason)
@@ -198,4 +206,6 @@ class Engine:
             num_generated_tokens=self.num_generated_tokens,
             grammar_cache_hits=grammars.hits if grammars else 0,
             grammar_cache_misses=grammars.misses if grammars else 0,
+            spec_draft_tokens=self.num_draft_tokens,
+            spec_accepted_tokens=self.num_accepted_tokens,
         )

@@ -7,7 +7,7 @@ import torch
 
 from shoal.engine.host_memory import keep_freed_memory
 from shoal.engine.output_processor import Sampled
-from shoal.engine.sampler import sample
+from shoal.engine.sampler import sample, verify_drafts
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
 from shoal.layers import cpu_kernels
@@ -50,7 +50,9 @@ class ModelRunner:
 
     def _prepare(
         self, batch: ScheduledBatch
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence]]:
+    ) -> tuple[
+        torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence], list[Sequence]
+    ]:
         bs = self.block_size
         # Single-token queries (decodes) first: they share one padded, batched attention call.
         order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
@@ -63,11 +65,13 @@ class ModelRunner:
         prefill_tables: list[np.ndarray] = []
         logit_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
+        draft_rows: list[range] = []
+        draft_seqs: list[Sequence] = []
         for i in order:
             seq, start, n = batch.seqs[i], batch.starts[i], batch.num_new_tokens[i]
             end = start + n
             q_start = len(ids)
-            ids += seq.tokens_slice(start, end)
+            ids += seq.tokens_slice(start, end) + seq.draft_token_ids
             pos = np.arange(start, end)
             table = np.asarray(seq.block_table)
             positions.append(pos)
@@ -79,7 +83,10 @@ class ModelRunner:
             else:
                 prefills.append(PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks])))
                 prefill_tables.append(table[:num_blocks])
-            if end == seq.num_tokens:
+            if seq.draft_token_ids:  # every row: the model's choice after each draft
+                draft_rows.append(range(q_start, q_start + n))
+                draft_seqs.append(seq)
+            elif end == seq.num_tokens:
                 logit_rows.append(q_start + n - 1)
                 sampled_seqs.append(seq)
 
@@ -100,19 +107,24 @@ class ModelRunner:
             self._tensor(ids),
             self._tensor(np.concatenate(positions)),
             meta,
-            logit_rows,
+            logit_rows + [r for rows in draft_rows for r in rows],
             sampled_seqs,
+            draft_seqs,
         )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
-        """Run the batch; return the sequences that reached their end and a token for each."""
-        input_ids, positions, meta, rows, seqs = self._prepare(batch)
+        """Run the batch; return the sequences that reached their end and a token for each
+        (after the drafts the model agreed with, for those that carried drafts)."""
+        input_ids, positions, meta, rows, seqs, drafted = self._prepare(batch)
         hidden = self.model(input_ids, positions, meta)
-        if not seqs:
+        if not rows:
             return [], Sampled([], None, None)
         logits = self.model.compute_logits(hidden[self._tensor(rows)])
-        return seqs, sample(logits, seqs)
+        sampled = sample(logits[: len(seqs)], seqs)
+        if drafted:
+            verify_drafts(logits[len(seqs) :], drafted, sampled)
+        return seqs + drafted, sampled
 
     # -- KV block moves for sessions (copy on write, the disk tier) ------------------------
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

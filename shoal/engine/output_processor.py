@@ -16,6 +16,8 @@ class Sampled:
     token_ids: list[int]
     logprobs: list[float] | None
     top_logprobs: list[dict[int, float]] | None
+    # Per sequence, the draft tokens the model agreed with, which come before its token.
+    accepted_drafts: list[list[int]] | None = None
 
 
 class OutputProcessor:
@@ -30,21 +32,28 @@ class OutputProcessor:
         """Give each sequence its sampled token; returns those that finished, with why."""
         finished: list[tuple[Sequence, str]] = []
         for i, seq in enumerate(seqs):
-            token = sampled.token_ids[i]
-            seq.output_token_ids.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)  # the matcher follows output_token_ids exactly
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if sampled.logprobs is not None and sampled.top_logprobs is not None:
                 seq.logprobs.append(sampled.logprobs[i])
                 seq.top_logprobs.append(sampled.top_logprobs[i])
-            reason = self._stop_reason(seq, token)
-            if self.detokenizer.update(seq, finishing=reason is not None):
-                reason = "stop"
-            if reason is not None:
-                finished.append((seq, reason))
+            drafts = sampled.accepted_drafts[i] if sampled.accepted_drafts else []
+            for token in [*drafts, sampled.token_ids[i]]:  # one at a time: a stop ends them
+                reason = self._append(seq, token)
+                if reason is not None:
+                    finished.append((seq, reason))
+                    break
         return finished
+
+    def _append(self, seq: Sequence, token: int) -> str | None:
+        """Append one token; why `seq` finished with it, if it did."""
+        seq.output_token_ids.append(token)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)  # the matcher follows output_token_ids exactly
+        reason = self._stop_reason(seq, token)
+        if self.detokenizer.update(seq, finishing=reason is not None):
+            reason = "stop"
+        return reason
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

@@ -43,6 +43,27 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1) if tokens is None else tokens
 
 
+def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], sampled: Sampled) -> None:
+    """Greedy verification of each sequence's drafts, added to `sampled`: `logits` holds, per
+    sequence, a row after its last token and after each draft. Drafts are kept up to the first
+    the model's argmax disagrees with; that argmax (or the one after the last draft) follows."""
+    choices = _argmax(logits).tolist()
+    row = 0
+    accepted = sampled.accepted_drafts = sampled.accepted_drafts or [[]] * len(sampled.token_ids)
+    for seq in seqs:
+        drafts = seq.draft_token_ids
+        chosen = choices[row : row + len(drafts) + 1]
+        row += len(drafts) + 1
+        n = 0
+        while n < len(drafts) and drafts[n] == chosen[n]:
+            n += 1
+        accepted.append(drafts[:n])
+        sampled.token_ids.append(chosen[n])
+        if sampled.logprobs is not None and sampled.top_logprobs is not None:
+            sampled.logprobs.append(0.0)  # not asked for: a drafted request wants none
+            sampled.top_logprobs.append({})
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:
     """One token per row. A seeded request draws from its own generator, so its output does
     not depend on what else shares the batch. Log-probabilities are the model's own, taken

@@ -8,6 +8,11 @@ running request needs a block and none is free, the lowest-priority, newest runn
 is preempted: its blocks are freed (its cached prefix usually survives) and it goes back to
 the queue at its original place, to be recomputed later.
 
+A greedy request that is decoding may carry draft tokens (`engine/ngram.py`, when
+`num_speculative_tokens` is set): they take budget and KV slots like any other token, but only
+when both are to spare, never at the cost of a preemption; the engine rewinds
+`num_computed_tokens` past the drafts the model rejected.
+
 A request whose session already has a request running, or waiting ahead of it, is deferred:
 it keeps its place and the requests behind it go on (skip, don't break), so one busy session
 cannot hold up the others, and it starts once its session is free.
@@ -22,6 +27,7 @@ from dataclasses import dataclass, field
 
 from shoal.config import EngineConfig
 from shoal.engine.kv_cache_manager import KVCacheManager, PrefixHit
+from shoal.engine.ngram import NgramProposer
 from shoal.engine.sequence import Sequence, SequenceStatus
 
 
@@ -54,6 +60,11 @@ class Scheduler:
         self._arrivals = itertools.count()
         self.step_id = 0
         self.num_preemptions = 0
+        self.proposer = None
+        if config.num_speculative_tokens:
+            self.proposer = NgramProposer(
+                config.num_speculative_tokens, config.prompt_lookup_max, config.prompt_lookup_min
+            )
 
     # -- queue management -------------------------------------------------------------
     def _key(self, seq: Sequence) -> tuple[int, int]:
@@ -108,6 +119,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if n == 1 and self._draft(seq, budget - 1):
+                planned.append((seq, 1 + len(seq.draft_token_ids)))
+                budget -= planned[-1][1]
+                i += 1
+                continue
             while not self.kv.allocate(seq, n):
                 victim = self.running[-1]  # sorted by (priority, arrival): the newest, least urgent
                 self._preempt(victim)
@@ -148,6 +164,27 @@ class Scheduler:
             batch.num_new_tokens.append(n)
             seq.num_computed_tokens += n
         return batch
+
+    def _draft(self, seq: Sequence, budget: int) -> bool:
+        """Propose drafts for a decoding `seq` and allocate their slots with its next token's;
+        False (no drafts) where it is not greedy, nothing matches, or no room is to spare."""
+        p = seq.params
+        if self.proposer is None or not p.greedy or p.logprobs is not None or seq.grammar:
+            return False
+        # Every draft must be a position the model can take and a token the request may emit.
+        room = min(budget, self.max_model_len - seq.num_tokens)
+        room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        drafts = self.proposer.propose(seq, room)
+        if not drafts:
+            return False
+        # Only free blocks, leaving one for every running request's next token.
+        need = self.kv.blocks_needed(seq.num_computed_tokens + 1 + len(drafts))
+        if need - len(seq.block_table) > self.kv.pool.num_free - len(self.running):
+            return False
+        if not self.kv.allocate(seq, 1 + len(drafts)):
+            return False
+        seq.draft_token_ids = drafts
+        return True
 
     def _admit(self, seq: Sequence, budget: int) -> tuple[int, PrefixHit] | None:
         """Allocate a waiting request's first chunk after its reusable prefix; None: no room."""

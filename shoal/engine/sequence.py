@@ -5,9 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shoal.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from shoal.engine.ngram import NgramIndex
 
 
 class SequenceStatus(enum.Enum):
@@ -43,6 +46,10 @@ class Sequence:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[dict[int, float]] = field(default_factory=list)
     first_token_time: float | None = None
+    # Speculation (`engine/ngram.py`): the tokens proposed after the last one for this step to
+    # verify (their KV is computed past `num_tokens`), and the n-gram index they came from.
+    draft_token_ids: list[int] = field(default_factory=list)
+    ngram_index: NgramIndex | None = None
     # A seeded torch.Generator lives here untyped so this module stays free of torch.
     generator: Any = None
     # A constrained request's grammar matcher (`engine/structured.GrammarState`), untyped for

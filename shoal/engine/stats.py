@@ -55,6 +55,8 @@ class EngineStats:
         "counter", "Structured-output constraints found compiled in the grammar cache."
     )
     grammar_cache_misses: int = _stat("counter", "Structured-output constraints compiled.")
+    spec_draft_tokens: int = _stat("counter", "Draft tokens proposed by prompt lookup.")
+    spec_accepted_tokens: int = _stat("counter", "Draft tokens the model agreed with and kept.")
 
     @classmethod
     def collect(
@@ -70,6 +72,8 @@ class EngineStats:
         num_generated_tokens: int,
         grammar_cache_hits: int = 0,
         grammar_cache_misses: int = 0,
+        spec_draft_tokens: int = 0,
+        spec_accepted_tokens: int = 0,
     ) -> EngineStats:
         """The snapshot of any backend: its own counters plus what the shared pool, KV manager
         and session manager know, read the same way for each."""
@@ -97,6 +101,8 @@ class EngineStats:
             **_tier_stats(sessions),
             grammar_cache_hits=grammar_cache_hits,
             grammar_cache_misses=grammar_cache_misses,
+            spec_draft_tokens=spec_draft_tokens,
+            spec_accepted_tokens=spec_accepted_tokens,
         )
 
 

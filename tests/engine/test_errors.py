@@ -218,6 +218,10 @@ def test_queue_full(tiny):
         {"min_batch_size": 0},
         {"batch_wait_s": -1.0},
         {"backend": "tpu"},
+        {"num_speculative_tokens": -1},
+        {"prompt_lookup_min": 0},
+        {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+        {"num_speculative_tokens": 4, "backend": "mlx"},
     ],
 )
 def test_bad_engine_config(kwargs):

@@ -42,6 +42,17 @@ def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) ->
         pytest.skip("no C++ compiler for the kernels")
 
 
+@pytest.fixture(autouse=True, params=[0, 4], ids=["plain", "speculative"])
+def speculation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
+    """Every case runs without and with prompt-lookup speculation (up to 4 drafts a step):
+    verified drafts must change nothing the engine returns."""
+    monkeypatch.setattr(f"{__name__}.SPECULATIVE_TOKENS", request.param)
+    return int(request.param)
+
+
+SPECULATIVE_TOKENS = 0
+
+
 def hf_greedy(hf_model: Any, path: Path, prompt: list[int], n: int) -> list[int]:
     """transformers' greedy continuation of one unpadded prompt (generated ids only)."""
     key = (path, tuple(prompt), n)
@@ -74,10 +85,12 @@ SMALL_KV = 8 << 20
 
 def make_engine(path: Path, **kw: Any) -> Engine:
     kw.setdefault("kv_cache_bytes", SMALL_KV)
+    kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
     return Engine(EngineConfig(model=str(path), dtype="float64", device=DEVICE, **kw))
 
 
 def make_llm(path: Path, **kw: Any) -> LLM:
+    kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
     return LLM(str(path), dtype="float64", kv_cache_bytes=SMALL_KV, device=DEVICE, **kw)
 
 
@@ -351,3 +364,50 @@ def test_reset_aborts_everything_and_frees_the_pool(tiny_model_dir):
     assert_pool_whole(engine)
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.kv_bytes_used == 0 and stats.kv_usage_ratio == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_speculation_keeps_and_rejects_drafts_like_transformers(
+    kind, tiny_model_dir, tiny_hf_model, speculation
+):
+    """Prompts that repeat themselves make prompt lookup propose drafts the model keeps and
+    drafts it rejects, beside plain random prompts; block sizes cut drafts across blocks."""
+    path = tiny_model_dir(kind)
+    hf = tiny_hf_model(path)
+    rng = random.Random(11)
+    engine = make_engine(path, block_size=4)
+    requests = []
+    for i in range(8):
+        motif = random_prompt(rng, rng.randint(2, 6))
+        prompt = (motif * 12)[: rng.randint(10, 60)] if i % 4 else random_prompt(rng, 40)
+        requests.append((f"s{i}", prompt, rng.randint(8, 40)))
+    done = run_staggered(engine, {0: requests[:5], 4: requests[5:]})
+    check_against_hf(hf, path, requests, done)
+    assert_pool_whole(engine)
+    stats = engine.stats()
+    if speculation:
+        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    else:
+        assert stats.spec_draft_tokens == 0
+    assert stats.num_generated_tokens == sum(n for _, _, n in requests)
+
+
+def test_session_turns_match_transformers(tiny_model_dir, tiny_hf_model):
+    """Each turn of a session extends the last (its KV reused, the last partial block copied on
+    write); with speculation, what rejected drafts wrote past a turn's end is never reused."""
+    path = tiny_model_dir("llama")
+    hf = tiny_hf_model(path)
+    rng = random.Random(5)
+    engine = make_engine(path, block_size=4)
+    history = (random_prompt(rng, 3) * 5)[:13]
+    for turn in range(4):
+        history += random_prompt(rng, rng.randint(1, 6))
+        engine.add_request(history, greedy(10), request_id=f"t{turn}", session_id="s")
+        done: dict[str, RequestOutput] = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        out = done[f"t{turn}"]
+        assert out.token_ids == hf_greedy(hf, path, history, 10), turn
+        if turn:
+            assert out.num_cached_tokens > 0  # the session's KV was reused
+        history += out.token_ids

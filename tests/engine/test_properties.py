@@ -6,6 +6,8 @@ wrote it. Before each step the fake checks that a sequence's context slots hold 
 (so a prefix hit, a preemption or a reused block never hands it someone else's KV) and that it
 writes only to blocks it holds alone. The fake "model" picks the next token from the whole
 token history, so a recomputed request must reproduce exactly what it would have said alone.
+With speculation on, it verifies draft tokens as the real runner does (each draft kept while it
+is the fake model's own choice), and what a rejected draft wrote must never be read as KV.
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ def prefix_key(tokens: list[int]) -> int:
 
 
 def fake_next_token(tokens: list[int]) -> int:
-    return prefix_key(tokens) % FAKE_VOCAB
+    """Half the time the token before last (so outputs repeat, and drafts get kept)."""
+    key = prefix_key(tokens)
+    return tokens[-2] if len(tokens) > 1 and key % 2 else key % FAKE_VOCAB
 
 
 class SimulatedKVRunner:
@@ -57,12 +61,15 @@ class SimulatedKVRunner:
         assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
         written: set[tuple[int, int]] = set()
         out_seqs, out_tokens = [], []
+        accepted: list[list[int]] = []
         for seq, start, n in zip(batch.seqs, batch.starts, batch.num_new_tokens, strict=True):
             assert n > 0 and seq.status is SequenceStatus.RUNNING
-            assert start + n <= seq.num_tokens
+            drafts = seq.draft_token_ids
+            assert start + n <= seq.num_tokens + len(drafts)
+            assert not drafts or start + 1 + len(drafts) == seq.num_tokens + len(drafts)
             table = seq.block_table
             assert len(table) * bs >= start + n
-            tokens = seq.token_ids()
+            tokens = seq.token_ids() + drafts
             key = 0
             for p in range(start + n):
                 key = hash((key, tokens[p]))
@@ -76,10 +83,19 @@ class SimulatedKVRunner:
                     assert slot not in written
                     written.add(slot)
                     self.slots[slot] = key
-            if start + n == seq.num_tokens:
+            if drafts:
+                choices = [fake_next_token(tokens[: start + 1 + i]) for i in range(n)]
+                kept = 0
+                while kept < len(drafts) and drafts[kept] == choices[kept]:
+                    kept += 1
+                out_seqs.append(seq)
+                out_tokens.append(choices[kept])
+                accepted.append(drafts[:kept])
+            elif start + n == seq.num_tokens:
                 out_seqs.append(seq)
                 out_tokens.append(fake_next_token(tokens))
-        return out_seqs, Sampled(out_tokens, None, None)
+                accepted.append([])
+        return out_seqs, Sampled(out_tokens, None, None, accepted)
 
 
 def check_pool(engine: Engine) -> None:
@@ -169,6 +185,9 @@ def engine_configs(draw: st.DrawFn) -> dict:
         "max_num_seqs": draw(st.integers(1, 6)),
         "max_model_len": draw(st.sampled_from([16, 32, 64])),
         "enable_prefix_caching": draw(st.booleans()),
+        "num_speculative_tokens": draw(st.sampled_from([0, 0, 1, 3])),
+        "prompt_lookup_min": draw(st.sampled_from([1, 2])),
+        "prompt_lookup_max": 2,
     }
 
 
@@ -252,5 +271,7 @@ def test_random_workloads_keep_the_pool_whole(tiny_path: str, config: dict, ops:
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hit_rate > 0}")
     event(f"aborted: {any(o.finish_reason == 'abort' for o in final.values())}")
+    event(f"drafts kept: {stats.spec_accepted_tokens > 0}")
+    event(f"drafts rejected: {stats.spec_draft_tokens > stats.spec_accepted_tokens}")
     event(f"requests: {min(len(submitted), 5)}+")
     assert stats.num_running == stats.num_waiting == 0 and stats.blocks_used == 0
