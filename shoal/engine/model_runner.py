@@ -65,7 +65,7 @@ class ModelRunner:
         prefill_tables: list[np.ndarray] = []
         logit_rows: list[int] = []
         sampled_seqs: list[Sequence] = []
-        draft_rows: list[range] = []
+        draft_rows: list[int] = []
         draft_seqs: list[Sequence] = []
         for i in order:
             seq, start, n = batch.seqs[i], batch.starts[i], batch.num_new_tokens[i]
@@ -84,7 +84,7 @@ class ModelRunner:
                 prefills.append(PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks])))
                 prefill_tables.append(table[:num_blocks])
             if seq.draft_token_ids:  # every row: the model's choice after each draft
-                draft_rows.append(range(q_start, q_start + n))
+                draft_rows.extend(range(q_start, q_start + n))
                 draft_seqs.append(seq)
             elif end == seq.num_tokens:
                 logit_rows.append(q_start + n - 1)
@@ -107,7 +107,7 @@ class ModelRunner:
             self._tensor(ids),
             self._tensor(np.concatenate(positions)),
             meta,
-            logit_rows + [r for rows in draft_rows for r in rows],
+            logit_rows + draft_rows,
             sampled_seqs,
             draft_seqs,
         )

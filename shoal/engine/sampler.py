@@ -49,7 +49,7 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], sampled: Sampled) 
     the model's argmax disagrees with; that argmax (or the one after the last draft) follows."""
     choices = _argmax(logits).tolist()
     row = 0
-    accepted = sampled.accepted_drafts = sampled.accepted_drafts or [[]] * len(sampled.token_ids)
+    accepted: list[list[int]] = [[] for _ in sampled.token_ids]  # the sampled rows drafted none
     for seq in seqs:
         drafts = seq.draft_token_ids
         chosen = choices[row : row + len(drafts) + 1]
@@ -62,6 +62,7 @@ def verify_drafts(logits: torch.Tensor, seqs: list[Sequence], sampled: Sampled) 
         if sampled.logprobs is not None and sampled.top_logprobs is not None:
             sampled.logprobs.append(0.0)  # not asked for: a drafted request wants none
             sampled.top_logprobs.append({})
+    sampled.accepted_drafts = accepted
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> Sampled:

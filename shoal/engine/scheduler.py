@@ -181,8 +181,8 @@ class Scheduler:
         need = self.kv.blocks_needed(seq.num_computed_tokens + 1 + len(drafts))
         if need - len(seq.block_table) > self.kv.pool.num_free - len(self.running):
             return False
-        if not self.kv.allocate(seq, 1 + len(drafts)):
-            return False
+        allocated = self.kv.allocate(seq, 1 + len(drafts))
+        assert allocated, "free blocks were counted above"
         seq.draft_token_ids = drafts
         return True
 

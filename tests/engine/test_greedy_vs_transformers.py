@@ -7,129 +7,23 @@ Every workload ends with the whole pool free again.
 
 from __future__ import annotations
 
-import os
 import random
-from pathlib import Path
-from typing import Any
 
 import pytest
-import torch
+from greedy_cases import (
+    assert_pool_whole,
+    check_against_hf,
+    greedy,
+    hf_greedy,
+    make_engine,
+    make_llm,
+    random_prompt,
+    run_staggered,
+)
 
-from shoal import LLM, SamplingParams
-from shoal.config import EngineConfig
-from shoal.engine.llm_engine import Engine
-from shoal.layers import cpu_kernels
-from shoal.outputs import RequestOutput
+from shoal import SamplingParams
 
-VOCAB_LOW, VOCAB_HIGH = 3, 319  # stay clear of pad/bos/eos (0, 1, 2)
-
-# `SHOAL_TEST_DEVICE=cuda` runs every case on a GPU (torch's attention and sampling paths);
-# CI has none, so by default they run on the CPU.
-DEVICE = os.environ.get("SHOAL_TEST_DEVICE", "cpu")
-
-_HF_CACHE: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
-
-
-@pytest.fixture(autouse=True, params=["kernels", "torch"])
-def cpu_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every case runs with shoal's C++ kernels (attention, norms, rotary, SiLU) and without
-    them (pure torch, as on a machine with no compiler)."""
-    if request.param == "torch":
-        monkeypatch.setattr(cpu_kernels, "native", lambda: None)
-    elif DEVICE != "cpu":
-        pytest.skip(f"the C++ kernels run on the CPU, not {DEVICE}")
-    elif cpu_kernels.native() is None:
-        pytest.skip("no C++ compiler for the kernels")
-
-
-@pytest.fixture(autouse=True, params=[0, 4], ids=["plain", "speculative"])
-def speculation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """Every case runs without and with prompt-lookup speculation (up to 4 drafts a step):
-    verified drafts must change nothing the engine returns."""
-    monkeypatch.setattr(f"{__name__}.SPECULATIVE_TOKENS", request.param)
-    return int(request.param)
-
-
-SPECULATIVE_TOKENS = 0
-
-
-def hf_greedy(hf_model: Any, path: Path, prompt: list[int], n: int) -> list[int]:
-    """transformers' greedy continuation of one unpadded prompt (generated ids only)."""
-    key = (path, tuple(prompt), n)
-    if key not in _HF_CACHE:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = hf_model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=n,
-                pad_token_id=0,
-            )
-        _HF_CACHE[key] = out[0, len(prompt) :].tolist()
-        assert len(_HF_CACHE[key]) == n
-    return _HF_CACHE[key]
-
-
-def greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
-
-
-def random_prompt(rng: random.Random, length: int) -> list[int]:
-    return [rng.randint(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)]
-
-
-# The default 4 GiB KV pool takes seconds to zero; the tiny models need a few MiB.
-SMALL_KV = 8 << 20
-
-
-def make_engine(path: Path, **kw: Any) -> Engine:
-    kw.setdefault("kv_cache_bytes", SMALL_KV)
-    kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
-    return Engine(EngineConfig(model=str(path), dtype="float64", device=DEVICE, **kw))
-
-
-def make_llm(path: Path, **kw: Any) -> LLM:
-    kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
-    return LLM(str(path), dtype="float64", kv_cache_bytes=SMALL_KV, device=DEVICE, **kw)
-
-
-def run_staggered(
-    engine: Engine,
-    arrivals: dict[int, list[tuple[str, list[int], int]]],
-    max_steps: int = 10_000,
-) -> dict[str, RequestOutput]:
-    """Add `arrivals[step]` before that step; run until every request has finished."""
-    expected = sum(len(v) for v in arrivals.values())
-    done: dict[str, RequestOutput] = {}
-    step = 0
-    while len(done) < expected:
-        for rid, prompt, n in arrivals.get(step, []):
-            engine.add_request(prompt, greedy(n), request_id=rid)
-        for out in engine.step():
-            if out.finished:
-                assert out.request_id not in done
-                done[out.request_id] = out
-        step += 1
-        assert step < max_steps, "the engine stopped making progress"
-    assert not engine.has_unfinished_requests()
-    return done
-
-
-def assert_pool_whole(engine: Engine) -> None:
-    assert engine.pool.num_free == engine.pool.num_blocks
-    assert all(b.ref_cnt == 0 for b in engine.pool.blocks)
-    assert not engine.scheduler.running and not engine.scheduler.waiting
-
-
-def check_against_hf(
-    hf_model: Any, path: Path, requests: list[tuple[str, list[int], int]], done: dict
-) -> None:
-    for rid, prompt, n in requests:
-        out = done[rid]
-        assert out.finish_reason == "length", rid
-        assert out.prompt_token_ids == prompt
-        assert out.token_ids == hf_greedy(hf_model, path, prompt, n), rid
+pytestmark = pytest.mark.usefixtures("cpu_path", "speculation")
 
 
 ALL_KINDS = ["llama", "llama-tied", "llama3-rope", "qwen3", "qwen2", "mistral"]
@@ -364,50 +258,3 @@ def test_reset_aborts_everything_and_frees_the_pool(tiny_model_dir):
     assert_pool_whole(engine)
     stats = engine.stats()
     assert stats.blocks_used == 0 and stats.kv_bytes_used == 0 and stats.kv_usage_ratio == 0
-
-
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
-def test_speculation_keeps_and_rejects_drafts_like_transformers(
-    kind, tiny_model_dir, tiny_hf_model, speculation
-):
-    """Prompts that repeat themselves make prompt lookup propose drafts the model keeps and
-    drafts it rejects, beside plain random prompts; block sizes cut drafts across blocks."""
-    path = tiny_model_dir(kind)
-    hf = tiny_hf_model(path)
-    rng = random.Random(11)
-    engine = make_engine(path, block_size=4)
-    requests = []
-    for i in range(8):
-        motif = random_prompt(rng, rng.randint(2, 6))
-        prompt = (motif * 12)[: rng.randint(10, 60)] if i % 4 else random_prompt(rng, 40)
-        requests.append((f"s{i}", prompt, rng.randint(8, 40)))
-    done = run_staggered(engine, {0: requests[:5], 4: requests[5:]})
-    check_against_hf(hf, path, requests, done)
-    assert_pool_whole(engine)
-    stats = engine.stats()
-    if speculation:
-        assert 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
-    else:
-        assert stats.spec_draft_tokens == 0
-    assert stats.num_generated_tokens == sum(n for _, _, n in requests)
-
-
-def test_session_turns_match_transformers(tiny_model_dir, tiny_hf_model):
-    """Each turn of a session extends the last (its KV reused, the last partial block copied on
-    write); with speculation, what rejected drafts wrote past a turn's end is never reused."""
-    path = tiny_model_dir("llama")
-    hf = tiny_hf_model(path)
-    rng = random.Random(5)
-    engine = make_engine(path, block_size=4)
-    history = (random_prompt(rng, 3) * 5)[:13]
-    for turn in range(4):
-        history += random_prompt(rng, rng.randint(1, 6))
-        engine.add_request(history, greedy(10), request_id=f"t{turn}", session_id="s")
-        done: dict[str, RequestOutput] = {}
-        while engine.has_unfinished_requests():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        out = done[f"t{turn}"]
-        assert out.token_ids == hf_greedy(hf, path, history, 10), turn
-        if turn:
-            assert out.num_cached_tokens > 0  # the session's KV was reused
-        history += out.token_ids
