@@ -33,6 +33,7 @@ from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_runner import BatchRunner
 from shoal.server.datadir import DataDirBusyError, DataDirLock
 from shoal.server.errors import install_handlers
+from shoal.server.line_gate import LineGate
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
 from shoal.server.quota import QuotaGate
@@ -84,6 +85,7 @@ def create_app(
             priority=config.batch_priority,
             replica=replica_id(config.data_dir),
             lease_s=config.batch_lease_s,
+            gate=LineGate(config.batch_gate) if config.batch_gate else None,
         )
         state = ServerState(config, serving, db, runner, gate)
         app.state.shoal = state

@@ -45,6 +45,7 @@ class ServerConfig:
     quota_config: Path | None = None  # `--quota`: a limits file with a [serve] budget
     store: str | None = None  # `--store`: a path, sqlite:///... or postgresql://...
     batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
+    batch_gate: Path | None = None  # a test hook: see `server.line_gate`
 
     @property
     def store_url(self) -> str:
