@@ -15,7 +15,9 @@ worker process forked by `grammar_zygote`. Jobs wait in a bounded queue. A worke
 address space may grow by `memory_bytes` (RLIMIT_AS, Linux), past which xgrammar's allocation
 fails and the job is refused. Workers and the pool's threads run at a lower CPU priority
 (nice +10, per thread on Linux), so compiles cannot take the cores from request handling.
-`close` fails every job not done, kills the workers and never waits for a compile.
+Idle threads end after `IDLE_S`, with their workers (a discarded engine's pool frees itself;
+a fork is cheap), and `submit` starts them again. `close` fails every job not done, kills the
+workers and never waits for a compile.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ log = logging.getLogger(__name__)
 
 MiB = 1 << 20
 NICE = 10  # compiles yield the CPU to request handling
+IDLE_S = 30.0  # a thread idle this long ends, with its worker (`submit` starts them again)
 _START_TIMEOUT_S = 60.0  # a worker reads the vocabulary (the fork server imported the rest)
 
 
@@ -231,17 +234,20 @@ class CompilePool:
         self.closed = False
 
     @property
+    def running(self) -> int:
+        """Jobs compiling (in a worker, or then here)."""
+        return len(self._running)
+
+    @property
     def pending(self) -> int:
         """Jobs queued or compiling."""
-        return self._queue.qsize() + len(self._running)
+        return self._queue.qsize() + self.running
 
     def start(self) -> None:
-        """Start the threads and their workers (in the background; idempotent)."""
+        """Start the threads (and their workers) that are not running, in the background."""
         with self._lock:
-            if self._threads or self.closed:
-                return
-            for i in range(self.budget.workers):
-                t = threading.Thread(target=self._run, name=f"shoal-grammar-{i}", daemon=True)
+            while not self.closed and len(self._threads) < self.budget.workers:
+                t = threading.Thread(target=self._run, name="shoal-grammar", daemon=True)
                 self._threads.append(t)
                 t.start()
 
@@ -300,7 +306,14 @@ class CompilePool:
         except Exception:
             log.exception("a grammar compile worker failed to start")
         while not self.closed:
-            job = self._queue.get()
+            try:
+                job = self._queue.get(timeout=IDLE_S)
+            except queue.Empty:
+                with self._lock:  # idle: end, unless a job came (`start` then saw us alive)
+                    if self._queue.empty():
+                        self._threads.remove(threading.current_thread())
+                        break
+                continue
             if job is None or not job.future.set_running_or_notify_cancel():
                 continue
             with self._lock:

@@ -158,11 +158,13 @@ class Grammars:
             self.compile_seconds += seconds
             self.refusals += refused
 
-    def _settled(self, key: tuple[str, str], entry: _Entry, future: Future[Any]) -> None:
+    def _settled(self, key: tuple[str, str], future: Future[Any]) -> None:
         """A compile ended: cache its grammar (evicting the least recently used past the byte
-        budget) or remember why it was refused."""
+        budget) or remember why it was refused. (The future is not captured by its own
+        callback: an evicted grammar must be freed as soon as nothing holds it.)"""
         with self._lock:
-            if self._cache.get(key) is not entry:
+            entry = self._cache.get(key)
+            if entry is None or entry.compiled is not future:
                 return
             error = future.exception()
             if error is not None:
@@ -209,7 +211,7 @@ class Grammars:
                 return failed
             entry = self._cache[key] = _Entry(Future())
             self.misses += 1
-        entry.compiled.add_done_callback(lambda f: self._settled(key, entry, f))
+        entry.compiled.add_done_callback(lambda f: self._settled(key, f))
         try:
             self._pool.submit(Job(key[0], key[1], entry.compiled))
         except Exception as e:
