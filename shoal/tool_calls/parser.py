@@ -111,6 +111,7 @@ class ToolCallParser:
     _in_call: bool = field(default=False, init=False)  # the buffer starts with a trigger
     _ws: str = field(default="", init=False)  # trailing whitespace held back
     _after_call: bool = field(default=False, init=False)  # only whitespace since a call
+    _after_markup: bool = field(default=False, init=False)  # ... since dropped markup
     _skipping: bool = field(default=False, init=False)  # inside a tag block that is no call
     _open: _Open | None = field(default=None, init=False)
 
@@ -130,6 +131,8 @@ class ToolCallParser:
     def _emit_text(self, events: list[Event], text: str, *, hold_ws: bool) -> None:
         if self.forced:
             return  # the grammar admitted calls only: anything else is a call cut short
+        if self._after_markup:  # dropped markup leaves one space where it was
+            text = text.lstrip()
         text, self._ws = self._ws + text, ""
         if self._after_call:  # text after a call starts at its first visible character
             text = text.lstrip()
@@ -139,7 +142,7 @@ class ToolCallParser:
         if text:
             events.append(TextDelta(text))
             self.text += text
-            self._after_call = False
+            self._after_call = self._after_markup = False
 
     def _skip_block(self, final: bool) -> bool:
         """Drop a tag block that holds no call through its end tag; False while the end tag
@@ -151,7 +154,7 @@ class ToolCallParser:
             return False
         self._buf = self._buf[end + len(self._end_tag) :]
         self._skipping = False
-        self._after_call = True
+        self._after_markup = True
         return True
 
     def _scan(self, final: bool) -> list[Event]:
@@ -179,11 +182,10 @@ class ToolCallParser:
                     return events
                 if end_at >= 0 and (at < 0 or end_at < at):  # a stray end tag: markup
                     self._emit_text(events, self._buf[:end_at], hold_ws=True)
-                    self._ws = ""
                     self._buf = self._buf[end_at + len(end_tag) :]
+                    self._after_markup = True
                     continue
                 self._emit_text(events, self._buf[:at], hold_ws=True)
-                self._ws = ""
                 self._buf = self._buf[at:]
                 self._in_call = True
             if not self._call(events, final):
@@ -249,6 +251,7 @@ class ToolCallParser:
         self._buf = rest
         self._in_call = False
         self._after_call = True
+        self._ws = ""  # whitespace before a call is not an answer
         return True
 
     def _call(self, events: list[Event], final: bool) -> bool:

@@ -134,7 +134,16 @@ def test_bad_tool_use_gets_a_400(claude: anthropic.Anthropic, tools_server: Live
         (
             _kw(
                 tools_server,
-                tools=[{"name": "t", "input_schema": {"type": "strin"}}],
+                tools=[
+                    {
+                        "name": "t",
+                        "input_schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "strin"}},
+                            "required": ["a"],
+                        },
+                    }
+                ],
                 tool_choice={"type": "any"},
             ),
             "strin",
