@@ -14,6 +14,7 @@ socket closes, and the server kills its workers and exits; on Linux a worker als
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
 import signal
@@ -117,6 +118,7 @@ def _reap(live: set[int]) -> None:
 
 
 def _serve(sock: socket.socket) -> None:
+    parent = os.getppid()
     from shoal.engine.grammar_workers import NICE, serve
 
     # Compiles yield the CPU to request handling; every worker inherits this.
@@ -124,9 +126,9 @@ def _serve(sock: socket.socket) -> None:
     import xgrammar  # noqa: F401  (imported once, here, for every worker)
 
     live: set[int] = set()
-    sock.sendall(b"R")
     try:
-        while True:
+        sock.sendall(b"R")
+        while os.getppid() == parent:  # else the engine's process died (its socket may live on)
             _reap(live)
             if not select.select([sock], [], [], 1.0)[0]:
                 continue
@@ -151,11 +153,12 @@ def _serve(sock: socket.socket) -> None:
                 _reap(live)
                 if pid in live:
                     os.kill(pid, signal.SIGKILL)
-    except EOFError:
-        return
+    except (EOFError, OSError):
+        return  # the engine's process is gone
     finally:
         for pid in live:
-            os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
