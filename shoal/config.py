@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 from shoal.errors import InvalidRequestError
 
 if TYPE_CHECKING:
-    from shoal.engine.grammar_workers import GrammarBudget
+    from shoal.engine.grammar_worker import GrammarBudget
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -63,7 +63,7 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
-    # Structured-output grammars (`engine/structured.py`, `engine/grammar_workers.py`): a new
+    # Structured-output grammars (`engine/structured.py`, `engine/grammar_pool.py`): a new
     # constraint is first compiled by one of `grammar_workers` killable processes, within
     # `grammar_compile_timeout_s` and `grammar_compile_bytes` (or refused), then for use here;
     # a request waits at most `grammar_wait_s` for its grammar. Compiled grammars are cached up
@@ -75,7 +75,7 @@ class EngineConfig:
     grammar_cache_bytes: int = 256 * MiB
 
     def grammar_budget(self) -> GrammarBudget:
-        from shoal.engine.grammar_workers import GrammarBudget
+        from shoal.engine.grammar_worker import GrammarBudget
 
         return GrammarBudget(
             workers=self.grammar_workers,

@@ -4,7 +4,7 @@ seconds xgrammar's import of torch takes) and shares those pages with its siblin
 
 Why not `multiprocessing`: its spawn and fork-server children import the main module again,
 which runs a user's unguarded script a second time inside the worker. This server is started as
-`python -m shoal.engine.grammar_zygote`, and its children run only `grammar_workers.serve`.
+`python -m shoal.engine.grammar_zygote`, and its children run only `grammar_worker.serve`.
 
 The engine talks to it over a Unix socket pair: "fork" (with a socket the worker will serve on,
 passed as a file descriptor) answers the worker's pid; "kill" SIGKILLs one of its own living
@@ -119,7 +119,7 @@ def _reap(live: set[int]) -> None:
 
 def _serve(sock: socket.socket) -> None:
     parent = os.getppid()
-    from shoal.engine.grammar_workers import NICE, serve
+    from shoal.engine.grammar_worker import NICE, serve
 
     # Compiles yield the CPU to request handling; every worker inherits this.
     os.setpriority(os.PRIO_PROCESS, 0, max(NICE, os.getpriority(os.PRIO_PROCESS, 0)))

@@ -2,8 +2,8 @@
 
 `Grammars` is one engine's: the tokenizer's vocabulary is read once (on the first constrained
 request), and each distinct `StructuredOutput` (keyed by its (kind, spec)) is compiled once,
-off the caller's thread and never on the step thread: `grammar_workers.CompilePool` tries it
-in a worker process within its time and memory budget, then compiles it here. `submit` never
+off the caller's thread and never on the step thread: `grammar_pool.CompilePool` has a worker
+process compile it within its time and memory budget, and brings it here. `submit` never
 blocks (the server awaits its future); `compile` and `state_for` wait, at most
 `GrammarBudget.wait_s`. Compiled grammars are kept in an LRU bounded by bytes (xgrammar's own
 `memory_size_bytes`); a grammar a request still holds stays findable after its eviction (weak
@@ -33,14 +33,9 @@ from typing import Any
 
 import torch
 
+from shoal.engine.grammar_pool import CompilePool, GrammarBusyError, Job, settle
 from shoal.engine.grammar_specs import build
-from shoal.engine.grammar_workers import (
-    CompilePool,
-    GrammarBudget,
-    GrammarBusyError,
-    Job,
-    settle,
-)
+from shoal.engine.grammar_worker import GrammarBudget
 from shoal.errors import InvalidRequestError
 from shoal.sampling_params import StructuredOutput
 
@@ -114,7 +109,9 @@ class Grammars:
         self._refused: OrderedDict[bytes, InvalidRequestError] = OrderedDict()
         self._info: Any = None
         self._compiler: Any = None
-        self._pool = CompilePool(self.budget, self._info_json, self._compile_here, self._count)
+        self._pool = CompilePool(
+            self.budget, self._info_json, self._load, self._compile_here, self._count
+        )
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, step thread only
         self._bitmask: torch.Tensor | None = None
 
@@ -122,11 +119,6 @@ class Grammars:
     def pending(self) -> int:
         """Compiles queued or running."""
         return self._pool.pending
-
-    def start(self) -> None:
-        """Start the compile workers now, in the background (a server does so at startup; a
-        library engine on its first constrained request)."""
-        self._pool.start()
 
     def close(self) -> None:
         """Fail the compiles not done (`EngineClosedError`) and stop the workers at once."""
@@ -152,6 +144,12 @@ class Grammars:
 
     def _compile_here(self, kind: str, text: str) -> Any:
         return build(self._xgrammar_compiler(), kind, text)
+
+    def _load(self, serialized: str) -> Any:
+        import xgrammar as xgr
+
+        self._xgrammar_compiler()
+        return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
 
     def _count(self, seconds: float, refused: bool) -> None:
         with self._lock:

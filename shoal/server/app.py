@@ -25,11 +25,9 @@ from fastapi import FastAPI
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol, create_engine
-from shoal.errors import InvalidRequestError
 from shoal.quota.errors import QuotaError
 from shoal.quota.http import create_router
 from shoal.quota.metrics import QuotaMetrics
-from shoal.sampling_params import StructuredOutput
 from shoal.server import batches, files, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
@@ -77,9 +75,6 @@ def create_app(
         eng = engine or build_engine(config)
         aeng = AsyncEngine(eng)
         serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()), config.schema_limits)
-        with contextlib.suppress(InvalidRequestError):  # a backend without grammars
-            # starts the compile workers, and has the commonest constraint ready
-            eng.compile_structured(StructuredOutput(json_object=True))
         if gate is not None:  # the quota's counters and usage join the server's /metrics
             gate.service.metrics = QuotaMetrics(gate.service, serving.metrics.registry)
         runner = BatchRunner(

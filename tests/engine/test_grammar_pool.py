@@ -1,7 +1,9 @@
 """Grammar compiles within a budget: a compile over its time or memory budget is refused and its
-worker replaced, the queue is bounded, and closing fails what waits without waiting for any
-compile. The slow spec takes minutes on any CPU (3,000 optional properties: about 4 minutes
-on a Zen 3 core), so a budget of a second refuses it whatever the machine's speed."""
+worker replaced (and never compiled in the engine), a grammar comes back from its worker or,
+too large to ship, is compiled again, the queue is bounded, and closing fails what waits
+without waiting for any compile. The slow spec takes minutes on any CPU (3,000 optional
+properties: about 4 minutes on a Zen 3 core), so a budget of a second refuses it whatever
+the machine's speed."""
 
 from __future__ import annotations
 
@@ -16,13 +18,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from shoal.engine.grammar_workers import (
-    CompilePool,
-    CompileRefusedError,
-    GrammarBudget,
-    GrammarBusyError,
-    Job,
-)
+from shoal.engine.grammar_pool import CompilePool, GrammarBusyError, Job
+from shoal.engine.grammar_worker import CompileRefusedError, GrammarBudget
 from shoal.errors import EngineClosedError
 
 SLOW = json.dumps(
@@ -48,21 +45,27 @@ Pools = Callable[..., tuple[CompilePool, list[str]]]
 
 @pytest.fixture
 def pools(tokenizer_info: str) -> Iterator[Pools]:
-    """`pools(**budget)`: a pool whose engine-side compile records what reached it."""
+    """`pools(**budget)`: a pool and how each grammar reached the engine ("loaded" from its
+    worker, or "compiled" again); the grammar a job gets is that word."""
     made: list[CompilePool] = []
 
     def make(**budget: Any) -> tuple[CompilePool, list[str]]:
-        compiled_here: list[str] = []
+        how: list[str] = []
+
+        def load(serialized: str) -> str:
+            assert json.loads(serialized)  # a compiled grammar as JSON
+            how.append("loaded")
+            return "loaded"
 
         def compile_here(kind: str, text: str) -> str:
-            compiled_here.append(text)
-            return text
+            how.append("compiled")
+            return "compiled"
 
         pool = CompilePool(
-            GrammarBudget(**budget), lambda: tokenizer_info, compile_here, lambda *_: None
+            GrammarBudget(**budget), lambda: tokenizer_info, load, compile_here, lambda *_: None
         )
         made.append(pool)
-        return pool, compiled_here
+        return pool, how
 
     yield make
     for pool in made:
@@ -83,21 +86,27 @@ def _until(condition: Callable[[], bool], timeout: float = 120) -> None:
 
 
 def test_over_its_time_budget_a_compile_is_refused_and_its_worker_replaced(pools: Pools) -> None:
-    pool, compiled_here = pools(workers=1, timeout_s=1.0)
+    pool, how = pools(workers=1, timeout_s=1.0)
     with pytest.raises(CompileRefusedError, match="longer than 1 s to compile"):
         _submit(pool, SLOW).result(120)
-    assert compiled_here == []  # never compiled where it could not be stopped
-    assert _submit(pool, SMALL).result(120) == SMALL  # a new worker took over
-    assert compiled_here == [SMALL]
+    assert how == []  # never compiled where it could not be stopped
+    assert _submit(pool, SMALL).result(120) == "loaded"  # a new worker took over
+    assert how == ["loaded"]
+
+
+def test_a_grammar_too_large_to_ship_is_compiled_again(pools: Pools) -> None:
+    pool, how = pools(workers=1, transfer_bytes=100)
+    assert _submit(pool, SMALL).result(120) == "compiled"
+    assert how == ["compiled"]
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS is Linux's")
 def test_over_its_memory_budget_a_compile_is_refused(pools: Pools) -> None:
-    pool, compiled_here = pools(workers=1, memory_bytes=32 << 20)
+    pool, how = pools(workers=1, memory_bytes=32 << 20)
     with pytest.raises(CompileRefusedError, match="32 MiB"):
         _submit(pool, BIG_ENUM).result(120)
-    assert _submit(pool, SMALL).result(120) == SMALL
-    assert compiled_here == [SMALL]
+    assert _submit(pool, SMALL).result(120) == "loaded"
+    assert how == ["loaded"]
 
 
 def test_the_queue_is_bounded(pools: Pools) -> None:
