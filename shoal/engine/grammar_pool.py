@@ -31,6 +31,7 @@ from shoal.errors import EngineClosedError, QueueFullError
 log = logging.getLogger(__name__)
 
 IDLE_S = 30.0  # a thread idle this long ends, with its worker (`submit` starts them again)
+LEAVE_S = 1.0  # how long `close` lets its threads end
 
 
 class GrammarBusyError(QueueFullError):
@@ -117,10 +118,14 @@ class CompilePool:
             ) from None
 
     def close(self) -> None:
-        """Fail every job not done and kill the workers; compiles are never waited for."""
+        """Fail every job not done and kill the workers; compiles are never waited for.
+        The threads are given `LEAVE_S` to end (they do at once unless one is compiling in
+        the engine): a thread still inside xgrammar while the interpreter exits can abort it
+        ("terminate called without an active exception")."""
         with self._lock:
             self.closed = True
             workers, running = list(self._workers), list(self._running)
+            threads = list(self._threads)
         closed = EngineClosedError("the engine is shutting down")
         while True:
             try:
@@ -133,9 +138,13 @@ class CompilePool:
             settle(job.future, error=closed)
         for worker in workers:
             worker.kill()
-        for _ in self._threads:
+        for _ in threads:
             with contextlib.suppress(queue.Full):
                 self._queue.put_nowait(None)
+        deadline = time.monotonic() + LEAVE_S
+        for thread in threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     # -- the pool's threads ----------------------------------------------------------------
     def _new_worker(self) -> Worker | None:
