@@ -180,7 +180,10 @@ class CompilePool:
             if job is None or not job.future.set_running_or_notify_cancel():
                 continue
             with self._lock:
-                self._running.add(job)
+                if self.closed:  # `close` ran between the queue and here
+                    settle(job.future, error=EngineClosedError("the engine is shutting down"))
+                    continue
+                self._running.add(job)  # from now on `close` fails it
             start = time.perf_counter()
             try:
                 worker = worker or self._new_worker()

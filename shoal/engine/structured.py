@@ -106,7 +106,9 @@ class Grammars:
         self._alive: weakref.WeakValueDictionary[tuple[str, str], Any] = (
             weakref.WeakValueDictionary()
         )
-        self._refused: OrderedDict[bytes, InvalidRequestError] = OrderedDict()
+        # digest -> (error class, message): a fresh error each time (a raised error keeps
+        # every traceback it went through)
+        self._refused: OrderedDict[bytes, tuple[type[InvalidRequestError], str]] = OrderedDict()
         self._info: Any = None
         self._compiler: Any = None
         self._pool = CompilePool(
@@ -168,7 +170,7 @@ class Grammars:
             if error is not None:
                 del self._cache[key]
                 if isinstance(error, InvalidRequestError):
-                    self._refused[_digest(key)] = error
+                    self._refused[_digest(key)] = (type(error), str(error))
                     while len(self._refused) > MAX_REFUSALS_KEPT:
                         self._refused.popitem(last=False)
                 return
@@ -205,7 +207,7 @@ class Grammars:
             refused = self._refused.get(_digest(key))
             if refused is not None:
                 failed: Future[Any] = Future()
-                failed.set_exception(refused)
+                failed.set_exception(refused[0](refused[1]))
                 return failed
             entry = self._cache[key] = _Entry(Future())
             self.misses += 1
