@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol
-from shoal.errors import InvalidRequestError, QueueFullError
+from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams, StructuredOutput
 from shoal.server import formatting as fmt
@@ -170,9 +170,7 @@ async def _compiled(srv: Serving, spec: StructuredOutput, param: str) -> Any:
             code="grammar_queue_busy",
             headers={"Retry-After": "5"},
         ) from None
-    except QueueFullError:
-        raise
-    except InvalidRequestError as e:
+    except InvalidRequestError as e:  # a full queue (QueueFullError) is a 429 as it is
         srv.metrics.schema_refusals.labels(reason="compile").inc()
         raise APIError(400, f"{param}: {e}", param=param) from e
 
