@@ -167,8 +167,8 @@ class ToolCallParser:
                 at, end_at = self._buf.find(trigger), self._buf.find(end_tag) if end_tag else -1
                 if at < 0 and end_at < 0:
                     keep = max(_partial_suffix(self._buf, m) for m in (trigger, end_tag))
-                    if final and not end_tag:
-                        keep = 0  # a bare `{"na` at the end is text
+                    if final and not end_tag and not self.forced:
+                        keep = 0  # a bare `{"na` at the end is text, unless only calls can be
                     cut = len(self._buf) - keep
                     hold_ws = not final or bool(self.calls) or keep > 0
                     self._emit_text(events, self._buf[:cut], hold_ws=hold_ws)
@@ -321,6 +321,8 @@ class ToolCallParser:
         name = partial = ""
         closed = False
         args, complete = "", False
+        if obj_at is not None and _decode(self._buf, obj_at) is not None:
+            return False  # the object ended: what it is not, a cut could not make it
         if obj_at is not None and (m := _NAME.match(self._buf, obj_at)) is not None:
             partial, closed = m.group("name"), m.group("closed") is not None
             head = _HEAD.match(self._buf, obj_at)

@@ -80,7 +80,12 @@ def test_markup_is_never_text() -> None:
 
 
 def test_what_is_not_a_call_stays_text_without_tags() -> None:
-    for text in ['{"name": "Bob", "age": 3}', 'a {"na', '{"name": "nope", "parameters": {}}']:
+    for text in [
+        '{"name": "Bob", "age": 3}',
+        'a {"na',
+        '{"name": "nope", "parameters": {}}',
+        '{"name": "add", "age": 3}',  # a known name, but an object that is no call
+    ]:
         assert _parse(text, LLAMA3_JSON) == (text, []), text
 
 
@@ -149,6 +154,9 @@ def test_a_forced_call_cut_before_its_name_is_the_one_tool_it_can_be() -> None:
         assert (content, [(c.name, c.arguments, c.complete) for c in got]) == ("", calls), text
     (one,) = parse("<tool_", HERMES, {"add"}, _ids(), forced=True)[1]  # a named tool choice
     assert (one.name, one.complete) == ("add", False)
+    for text in ('{"na', '{"name": "a'):  # Llama 3.1's bare calls likewise
+        (one,) = parse(text, LLAMA3_JSON, {"add"}, _ids(), forced=True)[1]
+        assert (one.name, one.arguments) == ("add", "")
 
 
 @settings(max_examples=200, deadline=None)
