@@ -170,7 +170,7 @@ def test_strict_mode_names_where_the_keyword_is() -> None:
 
 def test_strict_mode_takes_what_xgrammar_enforces() -> None:
     """The schemas pydantic and the OpenAI SDK write pass."""
-    from openai.lib._pydantic import to_strict_json_schema
+    from openai import pydantic_function_tool
     from pydantic import BaseModel, Field
 
     class Inner(BaseModel):
@@ -183,7 +183,7 @@ def test_strict_mode_takes_what_xgrammar_enforces() -> None:
         inner: Inner
         items: list[Inner]
 
-    check_strict(to_strict_json_schema(Outer))
+    check_strict(pydantic_function_tool(Outer)["function"]["parameters"])  # strict, as sent
     check_strict(Outer.model_json_schema())
     check_strict({"type": "integer", "multipleOf": 3})
     check_strict({"type": "string", "enum": ["a", "b"]})
