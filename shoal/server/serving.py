@@ -17,7 +17,6 @@ from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol
-from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams, StructuredOutput
 from shoal.server import formatting as fmt
@@ -27,7 +26,7 @@ from shoal.server.ids import new_id
 from shoal.server.metrics import ServerMetrics
 from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from shoal.server.schema_check import SchemaLimits, SchemaRefusal
-from shoal.server.structured import ToolPlan, plan_answer
+from shoal.server.structured import ToolPlan, compiled, plan_answer
 
 Prompt = str | list[int]
 
@@ -153,28 +152,6 @@ async def prepare_completion(
     return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
 
 
-async def _compiled(srv: Serving, spec: StructuredOutput, param: str) -> Any:
-    """The compiled grammar of `spec`, awaited without holding a thread: the engine compiles
-    it on its own workers, within its budget; this request waits `grammar_wait_s` at most."""
-    wait_s = srv.engine.config.grammar_wait_s
-    try:
-        future = asyncio.wrap_future(srv.engine.compile_structured(spec))
-        # shielded: the future is shared with identical requests, which must not lose it
-        return await asyncio.wait_for(asyncio.shield(future), wait_s)
-    except TimeoutError:
-        raise APIError(
-            429,
-            f"{param}: the constraint did not compile within {wait_s:g} s (the grammar "
-            "compile queue is busy); retry later",
-            param=param,
-            code="grammar_queue_busy",
-            headers={"Retry-After": "5"},
-        ) from None
-    except InvalidRequestError as e:  # a full queue (QueueFullError) is a 429 as it is
-        srv.metrics.schema_refusals.labels(reason="compile").inc()
-        raise APIError(400, f"{param}: {e}", param=param) from e
-
-
 async def prepare_chat(
     srv: Serving,
     req: ChatCompletionRequest,
@@ -190,15 +167,12 @@ async def prepare_chat(
     template = getattr(srv.engine.tokenizer, "chat_template", None)
     try:
         plan, structured = plan_answer(req, template, srv.schema_limits, tool_schema_at)
+        # templating and tokenizing can take a while: off the loop
+        ids = await asyncio.to_thread(chat_prompt, srv.engine, req, plan)
+        grammar = None if structured is None else await compiled(srv.engine, structured, plan)
     except SchemaRefusal as e:
         srv.metrics.schema_refusals.labels(reason=e.reason).inc()
         raise APIError(400, str(e), param=e.param) from e
-    # templating and tokenizing can take a while: off the loop
-    ids = await asyncio.to_thread(chat_prompt, srv.engine, req, plan)
-    grammar = None
-    if structured is not None:
-        param = "tools" if plan is not None and plan.forced else "response_format"
-        grammar = await _compiled(srv, structured, param)
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, srv.engine.max_model_len - len(ids))

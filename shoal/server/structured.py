@@ -18,9 +18,12 @@ schema's place.
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.engine.protocol import EngineProtocol
+from shoal.errors import InvalidRequestError
 from shoal.sampling_params import StructuredOutput
 from shoal.server.errors import APIError
 from shoal.server.ids import new_id
@@ -164,3 +167,27 @@ def plan_answer(
     else:
         return plan, None
     return plan, StructuredOutput(structural_tag=structural_tag(fmt))
+
+
+async def compiled(engine: EngineProtocol, spec: StructuredOutput, plan: ToolPlan | None) -> Any:
+    """The compiled grammar of `spec`, awaited without holding a thread: the engine compiles
+    it on its own workers, within its budget; this request waits `grammar_wait_s` at most
+    (then a 429). A spec that does not compile, or costs more than the budget, is a
+    `SchemaRefusal`; a full compile queue (`QueueFullError`) is a 429 as it is."""
+    param = "tools" if plan is not None and plan.forced else "response_format"
+    wait_s = engine.config.grammar_wait_s
+    try:
+        future = asyncio.wrap_future(engine.compile_structured(spec))
+        # shielded: the future is shared with identical requests, which must not lose it
+        return await asyncio.wait_for(asyncio.shield(future), wait_s)
+    except TimeoutError:
+        raise APIError(
+            429,
+            f"{param}: the constraint did not compile within {wait_s:g} s (the grammar "
+            "compile queue is busy); retry later",
+            param=param,
+            code="grammar_queue_busy",
+            headers={"Retry-After": "5"},
+        ) from None
+    except InvalidRequestError as e:
+        raise SchemaRefusal(f"{param}: {e}", "compile", param) from e
