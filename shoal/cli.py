@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from shoal.batchify.cli import add_arguments as batchify_arguments
 from shoal.cluster.cli import add_parser as add_cluster_parser
 from shoal.cluster.cli import add_replica_arguments
-from shoal.config import BACKENDS, EngineConfig, GiB
+from shoal.config import BACKENDS, EngineConfig, GiB, MiB
 from shoal.errors import ShoalError
 from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
@@ -45,6 +45,34 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="draft tokens a step by prompt lookup, for greedy requests (0: off)",
     )
     p.add_argument("--cache-dir", default=None, help="where session KV persists across restarts")
+    g = p.add_argument_group("structured outputs (grammar compiles)")
+    g.add_argument(
+        "--grammar-workers", type=int, default=d.grammar_workers, help="compile worker processes"
+    )
+    g.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=d.grammar_compile_timeout_s,
+        help="seconds one compile may take before its constraint is refused",
+    )
+    g.add_argument(
+        "--grammar-compile-mib",
+        type=int,
+        default=d.grammar_compile_bytes // MiB,
+        help="memory one compile may take before its constraint is refused",
+    )
+    g.add_argument(
+        "--grammar-wait-timeout",
+        type=float,
+        default=d.grammar_wait_s,
+        help="seconds a request waits for its grammar, queue included (then a 429)",
+    )
+    g.add_argument(
+        "--grammar-cache-mib",
+        type=int,
+        default=d.grammar_cache_bytes // MiB,
+        help="compiled grammars kept, least recently used dropped first",
+    )
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
@@ -70,6 +98,11 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         enable_prefix_caching=not args.no_prefix_caching,
         num_speculative_tokens=args.num_speculative_tokens,
         cache_dir=args.cache_dir,
+        grammar_workers=args.grammar_workers,
+        grammar_compile_timeout_s=args.grammar_compile_timeout,
+        grammar_compile_bytes=args.grammar_compile_mib * MiB,
+        grammar_wait_s=args.grammar_wait_timeout,
+        grammar_cache_bytes=args.grammar_cache_mib * MiB,
         **extra,  # type: ignore[arg-type]
     )
 
@@ -111,6 +144,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _server_config(args: argparse.Namespace) -> ServerConfig | None:
     """The `ServerConfig` the server flags describe; None (after a message) if they are bad."""
+    from shoal.server.schema_check import SchemaLimits
     from shoal.server.state import ServerConfig
 
     if args.quota:  # a bad limits file is a message, before the model loads
@@ -134,6 +168,13 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         quota_config=Path(args.quota) if args.quota else None,
         store=args.store,
         batch_lease_s=args.batch_lease_s,
+        schema_limits=SchemaLimits(
+            properties=args.max_schema_properties,
+            depth=args.max_schema_depth,
+            enum_values=args.max_schema_enum_values,
+            chars=args.max_schema_chars,
+            large_enum_chars=args.max_schema_large_enum_chars,
+        ),
     )
 
 
@@ -184,6 +225,20 @@ def _server_arguments(serve: argparse.ArgumentParser) -> None:
         help="a folder each finished turn's session KV is written behind to; servers sharing "
         "it restore each other's sessions (and a restart, the turns a kill -9 cut off)",
     )
+    from shoal.server.schema_check import SchemaLimits
+
+    limits = serve.add_argument_group(
+        "JSON schema limits (OpenAI's for strict structured outputs; past them, a 400)"
+    )
+    for name, what in [
+        ("properties", "object properties in all"),
+        ("depth", "levels of nesting"),
+        ("enum_values", "enum values in all"),
+        ("chars", "characters of property and definition names, enum and const values"),
+        ("large_enum_chars", "characters of one string enum of more than 250 values"),
+    ]:
+        flag = "--max-schema-" + name.replace("_", "-")
+        limits.add_argument(flag, type=int, default=getattr(SchemaLimits(), name), help=what)
     _engine_args(serve)
     _backend_arg(serve)
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shoal.errors import InvalidRequestError
 
+if TYPE_CHECKING:
+    from shoal.engine.grammar_worker import GrammarBudget
+
 GiB = 1 << 30
+MiB = 1 << 20
 BACKENDS = ("torch", "mlx")
 
 
@@ -58,6 +63,26 @@ class EngineConfig:
     num_speculative_tokens: int = 0
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
+    # Structured-output grammars (`engine/structured.py`, `engine/grammar_pool.py`): a new
+    # constraint is first compiled by one of `grammar_workers` killable processes, within
+    # `grammar_compile_timeout_s` and `grammar_compile_bytes` (or refused), then for use here;
+    # a request waits at most `grammar_wait_s` for its grammar. Compiled grammars are cached up
+    # to `grammar_cache_bytes`.
+    grammar_workers: int = 2
+    grammar_compile_timeout_s: float = 20.0
+    grammar_compile_bytes: int = 1024 * MiB
+    grammar_wait_s: float = 60.0
+    grammar_cache_bytes: int = 256 * MiB
+
+    def grammar_budget(self) -> GrammarBudget:
+        from shoal.engine.grammar_worker import GrammarBudget
+
+        return GrammarBudget(
+            workers=self.grammar_workers,
+            timeout_s=self.grammar_compile_timeout_s,
+            memory_bytes=self.grammar_compile_bytes,
+            wait_s=self.grammar_wait_s,
+        )
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -80,3 +105,6 @@ class EngineConfig:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens and self.backend != "torch":
             raise InvalidRequestError("num_speculative_tokens needs the torch backend")
+        if self.grammar_cache_bytes < 0:
+            raise InvalidRequestError("grammar_cache_bytes must be >= 0")
+        self.grammar_budget()  # checks the compile budget

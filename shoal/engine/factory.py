@@ -89,7 +89,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
             num_blocks,
             config.block_size,
             seeded=lambda seed: torch.Generator(config.device).manual_seed(seed),
-            grammars=Grammars(loaded.tokenizer, cfg.vocab_size, list(cfg.eos_token_ids))
+            grammars=Grammars(
+                loaded.tokenizer,
+                cfg.vocab_size,
+                list(cfg.eos_token_ids),
+                config.grammar_budget(),
+                config.grammar_cache_bytes,
+            )
             if loaded.tokenizer is not None
             else None,
         ),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from shoal.engine.block_pool import cdiv
@@ -39,12 +40,11 @@ def longest_token_bytes(tokenizer: Any) -> int:
 class GrammarSource(Protocol):
     """What makes a constrained request's matcher (`engine/structured.Grammars`)."""
 
-    hits: int  # compiles found in its cache
-    misses: int
-
-    def compile(self, spec: StructuredOutput) -> Any: ...
+    def submit(self, spec: StructuredOutput) -> Future[Any]: ...
 
     def state_for(self, spec: StructuredOutput) -> Any: ...
+
+    def close(self) -> None: ...
 
 
 class InputProcessor:
@@ -95,24 +95,32 @@ class InputProcessor:
         return ids
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        check_length: bool = True,
     ) -> list[int]:
         """The prompt ids for a conversation, ending where the assistant's reply begins.
 
         `tools` (OpenAI-shaped function tools) go to a template that renders them itself.
         Raises `InvalidRequestError` when the model has no tokenizer or no chat template; an
         error the template itself raises (a conversation it rejects) propagates unchanged.
+        `check_length=False` takes a conversation of any length (to count its tokens).
         """
         tok = self.tokenizer
         if tok is None or not getattr(tok, "chat_template", None):
             raise InvalidRequestError("this model has no chat template")
-        size = sum(len(str(m.get("content") or "").encode()) for m in messages)
-        self.check_text_length(size + (len(json.dumps(tools).encode()) if tools else 0))
+        if check_length:
+            size = sum(len(str(m.get("content") or "").encode()) for m in messages)
+            self.check_text_length(size + (len(json.dumps(tools).encode()) if tools else 0))
         extra = {"tools": tools} if tools else {}
         text = tok.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=False, **extra
         )
-        return self.encode(text)
+        if check_length:
+            return self.encode(text)
+        return list(tok.encode(text, add_special_tokens=False))
 
     def _grammars(self) -> GrammarSource:
         if self.grammars is None:
@@ -123,10 +131,11 @@ class InputProcessor:
             raise InvalidRequestError("structured outputs need a model with a tokenizer")
         return self.grammars
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        """Compile `spec` into the grammar cache now (raises `InvalidRequestError`), so that a
-        caller whose thread must not wait can do it elsewhere before `process`."""
-        self._grammars().compile(spec)
+    def compile_structured(self, spec: StructuredOutput) -> Future[Any]:
+        """Start compiling `spec` into the grammar cache (raises `InvalidRequestError` at once
+        where there are no grammars): a caller whose thread must not wait awaits the future,
+        and keeps its grammar, before `process`."""
+        return self._grammars().submit(spec)
 
     def process(
         self,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from typing import Any
 
 from shoal.config import EngineConfig
@@ -61,13 +62,18 @@ class Engine:
         return self.inputs.encode(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        check_length: bool = True,
     ) -> list[int]:
-        return self.inputs.apply_chat_template(messages, tools)
+        return self.inputs.apply_chat_template(messages, tools, check_length=check_length)
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        """Compile a structured-output spec into the cache (any thread); see `InputProcessor`."""
-        self.inputs.check_structured(spec)
+    def compile_structured(self, spec: StructuredOutput) -> Future[Any]:
+        """Start compiling a structured-output spec into the cache (any thread; never blocks);
+        see `InputProcessor`."""
+        return self.inputs.compile_structured(spec)
 
     def add_request(
         self,
@@ -171,8 +177,11 @@ class Engine:
         return outputs
 
     def close(self) -> None:
-        """Take no new requests; unsaved session KV goes to `cache_dir` once nothing runs."""
+        """Take no new requests and start no compiles (compiles under way fail at once);
+        unsaved session KV goes to `cache_dir` once nothing runs."""
         self._requests.closed = True
+        if self.inputs.grammars is not None:
+            self.inputs.grammars.close()
         if self.step_thread is None:
             self._save_if_closing()
 
@@ -194,7 +203,6 @@ class Engine:
         return self.sessions.info_of(session_id)
 
     def stats(self) -> EngineStats:
-        grammars = self.inputs.grammars
         return EngineStats.collect(
             self.kv,
             self.sessions,
@@ -204,8 +212,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.scheduler.num_preemptions,
             num_generated_tokens=self.num_generated_tokens,
-            grammar_cache_hits=grammars.hits if grammars else 0,
-            grammar_cache_misses=grammars.misses if grammars else 0,
+            grammars=self.inputs.grammars,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
         )

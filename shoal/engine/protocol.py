@@ -9,6 +9,7 @@ backend's model stack; `create_engine` imports only the one asked for.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import Future
 from typing import Any, Protocol
 
 from shoal.config import EngineConfig
@@ -31,12 +32,18 @@ class EngineProtocol(Protocol):
     # Any thread: validate (typed errors) and queue; abort by id.
     def encode(self, prompt: str | list[int]) -> list[int]: ...
 
+    # check_length=False: any length (counting tokens is how a client learns it is too long).
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        check_length: bool = True,
     ) -> list[int]: ...
 
-    # Compile a structured-output spec into the engine's cache, or raise InvalidRequestError.
-    def check_structured(self, spec: StructuredOutput) -> None: ...
+    # Start compiling a structured-output spec into the engine's cache without blocking: the
+    # future holds the compiled grammar (keep it until add_request) or InvalidRequestError.
+    def compile_structured(self, spec: StructuredOutput) -> Future[Any]: ...
 
     def add_request(
         self,

@@ -55,6 +55,14 @@ class EngineStats:
         "counter", "Structured-output constraints found compiled in the grammar cache."
     )
     grammar_cache_misses: int = _stat("counter", "Structured-output constraints compiled.")
+    grammar_cache_bytes: int = _stat("gauge", "Bytes of compiled grammars in the grammar cache.")
+    grammar_compile_seconds: float = _stat(
+        "counter", "Seconds spent compiling grammars (in a worker, then in the engine)."
+    )
+    grammar_compile_refusals: int = _stat(
+        "counter", "Constraints refused for their compile cost (time, memory) or a full queue."
+    )
+    grammar_compiles_pending: int = _stat("gauge", "Grammar compiles queued or running.")
     spec_draft_tokens: int = _stat("counter", "Draft tokens proposed by prompt lookup.")
     spec_accepted_tokens: int = _stat("counter", "Draft tokens the model agreed with and kept.")
 
@@ -70,8 +78,7 @@ class EngineStats:
         num_waiting: int,
         num_preemptions: int,
         num_generated_tokens: int,
-        grammar_cache_hits: int = 0,
-        grammar_cache_misses: int = 0,
+        grammars: Any = None,
         spec_draft_tokens: int = 0,
         spec_accepted_tokens: int = 0,
     ) -> EngineStats:
@@ -99,11 +106,24 @@ class EngineStats:
             restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
             restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
             **_tier_stats(sessions),
-            grammar_cache_hits=grammar_cache_hits,
-            grammar_cache_misses=grammar_cache_misses,
+            **_grammar_stats(grammars),
             spec_draft_tokens=spec_draft_tokens,
             spec_accepted_tokens=spec_accepted_tokens,
         )
+
+
+def _grammar_stats(grammars: Any) -> dict[str, Any]:
+    """The counters of an `engine/structured.Grammars`, if the backend has one."""
+    if grammars is None:
+        return {}
+    return {
+        "grammar_cache_hits": grammars.hits,
+        "grammar_cache_misses": grammars.misses,
+        "grammar_cache_bytes": grammars.cached_bytes,
+        "grammar_compile_seconds": grammars.compile_seconds,
+        "grammar_compile_refusals": grammars.refusals,
+        "grammar_compiles_pending": grammars.pending,
+    }
 
 
 def _tier_stats(sessions: SessionManager) -> dict[str, Any]:

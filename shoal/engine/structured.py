@@ -1,10 +1,14 @@
 """Constrained decoding through xgrammar: compiled grammars, per-sequence matchers, the bitmask.
 
 `Grammars` is one engine's: the tokenizer's vocabulary is read once (on the first constrained
-request), each distinct `StructuredOutput` is compiled once and kept in a bounded LRU cache
-keyed by its (kind, spec), in the caller's thread (`InputProcessor.process`, or ahead of it
-`Engine.check_structured`): never on the step thread. A spec that does not compile raises
-`InvalidRequestError` before anything is queued.
+request), and each distinct `StructuredOutput` (keyed by its (kind, spec)) is compiled once,
+off the caller's thread and never on the step thread: `grammar_pool.CompilePool` has a worker
+process compile it within its time and memory budget, and brings it here. `submit` never
+blocks (the server awaits its future); `compile` and `state_for` wait, at most
+`GrammarBudget.wait_s`. Compiled grammars are kept in an LRU bounded by bytes (xgrammar's own
+`memory_size_bytes`); a grammar a request still holds stays findable after its eviction (weak
+references), so a request never compiles twice. Refusals (a spec that does not compile, or
+over budget) are remembered by digest, so a repeated hostile spec costs nothing.
 
 Each constrained `Sequence` holds a `GrammarState` (in `Sequence.grammar`, untyped so the
 sequence stays torch-free). On the step thread the sampler asks `Grammars.mask` to fill one
@@ -17,78 +21,26 @@ recomputed from its kept tokens without sampling them again, so nothing needs ro
 
 from __future__ import annotations
 
-import json
+import hashlib
 import logging
-import re
 import threading
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from shoal.engine.grammar_pool import CompilePool, GrammarBusyError, Job, settle
+from shoal.engine.grammar_specs import build
+from shoal.engine.grammar_worker import GrammarBudget
 from shoal.errors import InvalidRequestError
 from shoal.sampling_params import StructuredOutput
 
 log = logging.getLogger(__name__)
-
-# xgrammar's C++ errors start with a timestamp and a source location; users need the rest.
-_LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
-
-
-def _message(e: Exception) -> str:
-    return _LOCATION.sub("", str(e).strip()).strip()
-
-
-_DATA = {"enum", "const", "default", "examples"}  # values, not schemas
-INT64 = 2**63 - 1
-
-
-def _tamed(node: Any) -> Any:
-    """A schema as shoal compiles it, two bounds a small model needs that JSON Schema lacks:
-
-    - a string with `minLength`/`maxLength` becomes the same bounds in a pattern,
-      `^.{lo,hi}$` (without escapes): xgrammar (0.2.8 still, its issue 286) lets a
-      length-bounded string hold raw control characters, which no JSON parser accepts;
-    - an integer without a bound stays within 64 bits, as nearly every consumer stores it:
-      unbounded, a sampled model can write digits until `max_tokens` runs out.
-    Used on schemas and on the schemas inside structural tags alike."""
-    if isinstance(node, list):
-        return [_tamed(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    out = {k: v if k in _DATA else _tamed(v) for k, v in node.items()}
-    if out.get("type") == "string" and not {"pattern", "format", *_DATA} & out.keys():
-        lo, hi = out.pop("minLength", None), out.pop("maxLength", None)
-        if lo is not None or hi is not None:
-            out["pattern"] = f"^.{{{lo or 0},{'' if hi is None else hi}}}$"
-    if out.get("type") == "integer" and not _DATA & out.keys():
-        if not {"maximum", "exclusiveMaximum"} & out.keys():
-            out["maximum"] = INT64
-        if not {"minimum", "exclusiveMinimum"} & out.keys():
-            out["minimum"] = -INT64
-    return out
-
-
-def _compact(node: Any) -> Any:
-    """A structural tag with each JSON schema in it as the grammar of that schema without free
-    whitespace, the policy `json` specs compile under: one `{"a": 1, "b": [2]}` style for all
-    the JSON shoal constrains (xgrammar's own json_schema format allows any whitespace)."""
-    if isinstance(node, list):
-        return [_compact(x) for x in node]
-    if not isinstance(node, dict):
-        return node
-    schema = node.get("json_schema")
-    if node.get("type") == "json_schema" and isinstance(schema, dict):
-        if node.get("style", "json") != "json" or node.get("any_order"):
-            return node  # formats this policy does not cover compile as they are
-        import xgrammar as xgr
-
-        text = json.dumps(_tamed(schema))
-        grammar = xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
-        return {"type": "grammar", "grammar": str(grammar)}
-    return {k: _compact(v) for k, v in node.items()}
+MAX_REFUSALS_KEPT = 4096
 
 
 class GrammarState:
@@ -116,109 +68,181 @@ class GrammarState:
 
 @dataclass(slots=True)
 class _Entry:
-    compiled: Future[Any]  # set once, by the thread that compiles
+    compiled: Future[Any]  # settled once, by the pool
+    nbytes: int = 0  # the compiled grammar's size, once it is cached
     used: bool = False  # a request has had a matcher of it
+
+
+def _digest(key: tuple[str, str]) -> bytes:
+    return hashlib.sha256(f"{key[0]}\0{key[1]}".encode()).digest()
 
 
 class Grammars:
     """Compiles specs for one tokenizer (cached) and masks logits for constrained rows.
-    `misses` counts compiles, `hits` requests served by a grammar compiled before them."""
+    `misses` counts compiles, `hits` requests served by a grammar compiled before them,
+    `refusals` specs refused for their cost (time, memory) or because the queue was full."""
 
     def __init__(
         self,
         tokenizer: Any,
         vocab_size: int,
         stop_token_ids: list[int],
-        max_cached: int = 256,
+        budget: GrammarBudget | None = None,
+        cache_bytes: int = 256 << 20,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the logits' width, which can exceed the tokenizer's
         self.stop_token_ids = stop_token_ids
-        self.max_cached = max_cached
+        self.budget = budget or GrammarBudget()
+        self.cache_bytes = cache_bytes
         self.hits = 0
         self.misses = 0
+        self.refusals = 0
+        self.compile_seconds = 0.0
+        self.cached_bytes = 0
         self._lock = threading.Lock()
+        self._compiler_lock = threading.Lock()  # reading the vocabulary takes a while
         self._cache: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._alive: weakref.WeakValueDictionary[tuple[str, str], Any] = (
+            weakref.WeakValueDictionary()
+        )
+        # digest -> (error class, message): a fresh error each time (a raised error keeps
+        # every traceback it went through)
+        self._refused: OrderedDict[bytes, tuple[type[InvalidRequestError], str]] = OrderedDict()
+        self._info: Any = None
         self._compiler: Any = None
+        self._pool = CompilePool(
+            self.budget, self._info_json, self._load, self._compile_here, self._count
+        )
         self._batch: Any = None  # xgrammar's BatchGrammarMatcher, step thread only
         self._bitmask: torch.Tensor | None = None
 
+    @property
+    def pending(self) -> int:
+        """Compiles queued or running."""
+        return self._pool.pending
+
+    def close(self) -> None:
+        """Fail the compiles not done (`EngineClosedError`) and stop the workers at once."""
+        self._pool.close()
+
+    # -- the pool's side ---------------------------------------------------------------------
     def _xgrammar_compiler(self) -> Any:
         """Built on first use: reading a 49k vocabulary takes a fraction of a second, which
         engines that never see a constrained request should not pay."""
-        with self._lock:
+        with self._compiler_lock:
             if self._compiler is None:
                 import xgrammar as xgr
 
-                info = xgr.TokenizerInfo.from_huggingface(
+                self._info = xgr.TokenizerInfo.from_huggingface(
                     self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
                 )
-                self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_enabled=False)
+                self._compiler = xgr.GrammarCompiler(self._info, max_threads=1, cache_enabled=False)
             return self._compiler
 
-    def _build(self, spec: StructuredOutput) -> Any:
-        compiler = self._xgrammar_compiler()
-        kind, text = spec.key
-        if kind == "json":
-            # No free whitespace: a small model can otherwise spend its budget on blanks.
-            schema = _tamed(json.loads(text))
-            return compiler.compile_json_schema(
-                json.dumps(schema), any_whitespace=False, strict_mode=True
-            )
-        if kind == "json_object":
-            return compiler.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, strict_mode=False
-            )
-        if kind == "regex":
-            return compiler.compile_regex(text)
-        if kind == "choice":
-            assert spec.choice is not None
-            return compiler.compile_grammar(
-                "root ::= " + " | ".join(json.dumps(c) for c in spec.choice)
-            )
-        if kind == "grammar":
-            return compiler.compile_grammar(text)
-        return compiler.compile_structural_tag(json.dumps(_compact(json.loads(text))))
+    def _info_json(self) -> str:
+        self._xgrammar_compiler()
+        return str(self._info.serialize_json())
 
-    def _entry(self, spec: StructuredOutput) -> _Entry:
+    def _compile_here(self, kind: str, text: str) -> Any:
+        return build(self._xgrammar_compiler(), kind, text)
+
+    def _load(self, serialized: str) -> Any:
+        import xgrammar as xgr
+
+        self._xgrammar_compiler()
+        return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
+
+    def _count(self, seconds: float, refused: bool) -> None:
+        with self._lock:
+            self.compile_seconds += seconds
+            self.refusals += refused
+
+    def _settled(self, key: tuple[str, str], future: Future[Any]) -> None:
+        """A compile ended: cache its grammar (evicting the least recently used past the byte
+        budget) or remember why it was refused. (The future is not captured by its own
+        callback: an evicted grammar must be freed as soon as nothing holds it.)"""
+        with self._lock:
+            entry = self._cache.get(key)
+            if entry is None or entry.compiled is not future:
+                return
+            error = future.exception()
+            if error is not None:
+                del self._cache[key]
+                if isinstance(error, InvalidRequestError):
+                    self._refused[_digest(key)] = (type(error), str(error))
+                    while len(self._refused) > MAX_REFUSALS_KEPT:
+                        self._refused.popitem(last=False)
+                return
+            compiled = future.result()
+            self._alive[key] = compiled
+            entry.nbytes = int(compiled.memory_size_bytes)
+            self.cached_bytes += entry.nbytes
+            for old_key in list(self._cache):  # least recently used first; compiling ones stay
+                if self.cached_bytes <= self.cache_bytes:
+                    break
+                old = self._cache[old_key]
+                if old.compiled.done():
+                    del self._cache[old_key]
+                    self.cached_bytes -= old.nbytes
+
+    # -- any thread --------------------------------------------------------------------------
+    def submit(self, spec: StructuredOutput) -> Future[Any]:
+        """The future compiled grammar of `spec`: cached, already compiling, or queued now.
+        Never blocks. It fails with `InvalidRequestError` (the spec does not compile, or costs
+        more than the budget), `GrammarBusyError` (the queue is full) or `EngineClosedError`."""
         key = spec.key
         with self._lock:
             entry = self._cache.get(key)
             if entry is not None:
                 self._cache.move_to_end(key)
-                return entry
+                return entry.compiled
+            compiled = self._alive.get(key)
+            if compiled is not None:  # evicted, but a request still holds it
+                entry = _Entry(Future(), int(compiled.memory_size_bytes))
+                entry.compiled.set_result(compiled)
+                self._cache[key] = entry
+                self.cached_bytes += entry.nbytes
+                return entry.compiled
+            refused = self._refused.get(_digest(key))
+            if refused is not None:
+                failed: Future[Any] = Future()
+                failed.set_exception(refused[0](refused[1]))
+                return failed
             entry = self._cache[key] = _Entry(Future())
             self.misses += 1
-            while len(self._cache) > self.max_cached:
-                self._cache.popitem(last=False)
+        entry.compiled.add_done_callback(lambda f: self._settled(key, f))
         try:
-            entry.compiled.set_result(self._build(spec))
+            self._pool.submit(Job(key[0], key[1], entry.compiled))
         except Exception as e:
             with self._lock:
-                if self._cache.get(key) is entry:
-                    del self._cache[key]
-            entry.compiled.set_exception(
-                InvalidRequestError(f"the {key[0]} constraint does not compile: {_message(e)}")
-            )
-        return entry
+                self.refusals += isinstance(e, GrammarBusyError)
+            settle(entry.compiled, error=e)
+        return entry.compiled
 
     def compile(self, spec: StructuredOutput) -> Any:
-        """The compiled grammar of `spec`, from the cache or built now (any thread but the step
-        thread). Raises `InvalidRequestError` with the library's reason when it cannot compile.
-        Another thread compiling the same spec is waited for, not repeated."""
-        return self._entry(spec).compiled.result()
+        """The compiled grammar of `spec`, waiting (in this thread, never the step thread) at
+        most `budget.wait_s`. Raises what `submit`'s future holds."""
+        try:
+            return self.submit(spec).result(self.budget.wait_s)
+        except FutureTimeout:
+            raise GrammarBusyError(
+                f"the {spec.key[0]} constraint did not compile within "
+                f"{self.budget.wait_s:g} s (the grammar wait timeout); retry later"
+            ) from None
 
     def state_for(self, spec: StructuredOutput) -> GrammarState:
         """A fresh matcher for one request (compiling `spec` if it is new). A request counts as
         a cache hit when an earlier request already used the grammar, so compiling ahead
-        (`compile`, for the same request) is not a hit."""
+        (`submit`, for the same request) is not a hit."""
         import xgrammar as xgr
 
-        entry = self._entry(spec)
-        compiled = entry.compiled.result()
+        compiled = self.compile(spec)
         with self._lock:
-            self.hits += entry.used
-            entry.used = True
+            entry = self._cache.get(spec.key)
+            if entry is not None:
+                self.hits += entry.used
+                entry.used = True
         return GrammarState(self, xgr.GrammarMatcher(compiled))
 
     # -- the step thread ------------------------------------------------------------------

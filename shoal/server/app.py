@@ -4,9 +4,9 @@ Lifespan: lock the data dir, open the store (`--store`: SQLite in the data dir, 
 PostgreSQL), load the engine (sessions persist under `<data dir>/sessions`), run the store's
 unfinished batches with the other replicas. While running, idle moments save session KV, so
 a kill -9 loses at most the turns since the engine was last idle. On shutdown: refuse new
-requests (503), let in-flight HTTP requests finish (uvicorn waits for them), give batch
-requests a grace period and leave the rest for the resume, drain the engine, save sessions,
-close the store, unlock.
+requests (503) and fail those waiting for a grammar compile (never waited for), let in-flight
+HTTP requests finish (uvicorn waits for them), give batch requests a grace period and leave
+the rest for the resume, drain the engine, save sessions, close the store, unlock.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import logging
 import sys
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
@@ -74,7 +75,7 @@ def create_app(
         db = store or open_store(config.store_url)
         eng = engine or build_engine(config)
         aeng = AsyncEngine(eng)
-        serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()))
+        serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()), config.schema_limits)
         if gate is not None:  # the quota's counters and usage join the server's /metrics
             gate.service.metrics = QuotaMetrics(gate.service, serving.metrics.registry)
         runner = BatchRunner(
@@ -155,6 +156,9 @@ def run_server(config: ServerConfig, host: str, port: int, log_level: str = "inf
             state = getattr(app.state, "shoal", None)
             if state is not None:  # refuse new requests (503) from the first signal on
                 state.shutting_down = True
+                # and fail the requests waiting for a grammar (uvicorn waits for them): from
+                # a thread, as the signal may have interrupted a holder of the engine's locks
+                threading.Thread(target=state.engine.close, daemon=True).start()
             super().handle_exit(sig, frame)
 
     uv_config = uvicorn.Config(

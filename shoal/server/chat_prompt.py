@@ -75,8 +75,13 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 def chat_prompt(
-    engine: EngineProtocol, req: ChatCompletionRequest, plan: ToolPlan | None
+    engine: EngineProtocol,
+    req: ChatCompletionRequest,
+    plan: ToolPlan | None,
+    *,
+    check_length: bool = True,
 ) -> list[int]:
+    """The prompt's ids; `check_length=False` takes one of any length (to count it)."""
     messages = template_messages(req)
     tools: list[dict[str, Any]] | None = None
     if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
@@ -84,7 +89,7 @@ def chat_prompt(
         dialect, native = (plan.dialect, plan.native) if plan else dialect_for(template)
         messages, tools = render(messages, list(plan.tools) if plan else [], dialect, native)
     try:
-        return engine.apply_chat_template(messages, tools)
+        return engine.apply_chat_template(messages, tools, check_length=check_length)
     except PromptTooLongError as e:
         raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
     except InvalidRequestError as e:  # no tokenizer or no chat template

@@ -90,8 +90,8 @@ def to_api_error(e: BaseException) -> APIError:
         return e
     if isinstance(e, PromptTooLongError):
         return APIError(400, str(e), param="prompt", code="context_length_exceeded")
-    if isinstance(e, InvalidRequestError):
-        return APIError(400, str(e))
+    if isinstance(e, InvalidRequestError):  # a schema refusal names its place
+        return APIError(400, str(e), param=getattr(e, "param", None))
     if isinstance(e, QueueFullError):
         return APIError(429, str(e), code="queue_full", headers={"Retry-After": "1"})
     if isinstance(e, EngineClosedError):

@@ -131,15 +131,15 @@ def tool_finish(finish_reason: str | None, calls: list[ToolCall]) -> str | None:
 
 def chat_message(out: RequestOutput, tools: ToolPlan | None) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a whole answer, and its finish reason. A call that
-    `max_tokens` cut short is left out (the finish reason `length` says the answer is
-    incomplete): its arguments are not JSON, and no caller could run it."""
+    `max_tokens` cut short is kept with its arguments as far as they got, which the finish
+    reason `length` marks incomplete. A forced tool choice answers calls only."""
     if tools is None:
         return {"role": "assistant", "content": out.text, "refusal": None}, out.finish_reason
     reader = tools.parser()
     reader.feed(out.text)
     reader.finish()
-    calls = [c for c in reader.calls if c.complete]
-    content = reader.text if reader.text or not calls else None
+    calls = reader.calls
+    content = reader.text if reader.text or not (calls or tools.forced) else None
     message: dict[str, Any] = {"role": "assistant", "content": content, "refusal": None}
     if calls:
         message["tool_calls"] = [

@@ -93,6 +93,14 @@ class ServerMetrics:
             ["finish_reason"],
             registry=self.registry,
         )
+        self.schema_refusals = Counter(
+            "shoal_schema_refusals",
+            "Requests refused (400) for a JSON schema or constraint, by reason: limit, strict, "
+            "unmatchable, not_object (checked before compiling) or compile (it does not "
+            "compile, or costs more than the compile budget).",
+            ["reason"],
+            registry=self.registry,
+        )
         self.batch_requests = Counter(
             "shoal_batch_requests",
             "Batch API requests by outcome (completed or failed), counted once each.",

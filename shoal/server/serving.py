@@ -17,7 +17,6 @@ from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol
-from shoal.errors import InvalidRequestError
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams, StructuredOutput
 from shoal.server import formatting as fmt
@@ -26,18 +25,21 @@ from shoal.server.errors import APIError, model_not_found, to_api_error
 from shoal.server.ids import new_id
 from shoal.server.metrics import ServerMetrics
 from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
-from shoal.server.structured import ToolPlan, plan_answer
+from shoal.server.schema_check import SchemaLimits, SchemaRefusal
+from shoal.server.structured import ToolPlan, compiled, plan_answer
 
 Prompt = str | list[int]
 
 
 @dataclass(slots=True)
 class Serving:
-    """The engine (for its facts: model, tokenizer, limits), its async front and metrics."""
+    """The engine (for its facts: model, tokenizer, limits), its async front, metrics, and
+    the limits a request's JSON schemas must keep."""
 
     engine: EngineProtocol
     aeng: AsyncEngine
     metrics: ServerMetrics
+    schema_limits: SchemaLimits = field(default_factory=SchemaLimits)
 
     @property
     def model_name(self) -> str:
@@ -57,6 +59,7 @@ class Prepared:
     include_usage: bool = False
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolPlan | None = None  # how to read tool calls out of each answer
+    grammar: Any = None  # the compiled constraint, held until the engine has its matchers
 
 
 def _check_common(srv: Serving, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -155,23 +158,21 @@ async def prepare_chat(
     *,
     priority: int = 0,
     session_id: str | None = None,
+    tool_schema_at: str = "tools.{}.function.parameters",
 ) -> Prepared:
+    """`tool_schema_at` names a tool's schema in errors, in the request's own API."""
     _check_common(srv, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
-    plan, structured = plan_answer(req, getattr(srv.engine.tokenizer, "chat_template", None))
-
-    def work() -> list[int]:  # templating, tokenizing and compiling a grammar: off the loop
-        ids = chat_prompt(srv.engine, req, plan)
-        if structured is not None:
-            try:
-                srv.engine.check_structured(structured)
-            except InvalidRequestError as e:
-                param = "tools" if plan is not None and plan.forced else "response_format"
-                raise APIError(400, f"{param}: {e}", param=param) from e
-        return ids
-
-    ids = await asyncio.to_thread(work)
+    template = getattr(srv.engine.tokenizer, "chat_template", None)
+    try:
+        plan, structured = plan_answer(req, template, srv.schema_limits, tool_schema_at)
+        # templating and tokenizing can take a while: off the loop
+        ids = await asyncio.to_thread(chat_prompt, srv.engine, req, plan)
+        grammar = None if structured is None else await compiled(srv.engine, structured, plan)
+    except SchemaRefusal as e:
+        srv.metrics.schema_refusals.labels(reason=e.reason).inc()
+        raise APIError(400, str(e), param=e.param) from e
     max_tokens = req.max_completion_tokens or req.max_tokens
     if max_tokens is None:
         max_tokens = max(1, srv.engine.max_model_len - len(ids))
@@ -182,6 +183,7 @@ async def prepare_chat(
     ]
     prep = _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
     prep.tools = plan
+    prep.grammar = grammar
     return prep
 
 

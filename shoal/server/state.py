@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from shoal.config import EngineConfig
+from shoal.server.schema_check import SchemaLimits
 from shoal.server.store import Store
 from shoal.urls import redact
 
@@ -46,6 +47,7 @@ class ServerConfig:
     store: str | None = None  # `--store`: a path, sqlite:///... or postgresql://...
     batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
     batch_gate: Path | None = None  # a test hook: see `server.line_gate`
+    schema_limits: SchemaLimits = field(default_factory=SchemaLimits)  # `--max-schema-*`
 
     @property
     def store_url(self) -> str:

@@ -6,15 +6,19 @@
 end of the output decides. A whole answer is `parse(...)`: feed everything, then finish.
 
 Parsing is lenient: a call is a JSON object after the dialect's trigger, naming a known tool,
-with an `arguments` (or `parameters`) object (or a string holding one). Anything else stays
-text. Text that could still become a trigger is held back, as is trailing whitespace (dropped
-when calls follow), so streamed text never has to be retracted.
+with an `arguments` (or `parameters`) object (or a string holding one). A call the output's end
+cut short is still a call (marked incomplete, its arguments as far as they got) once its tool
+is known. In a dialect with tags (hermes), markup is never text: a tag block that holds no
+call, a stray end tag and a tag the end cut short are dropped. Otherwise what is not a call
+stays text (a bare `{"name": ...}` object may be an answer). Text that could still become
+markup is held back, as is trailing whitespace (dropped when calls follow), so streamed text
+never has to be retracted.
 
-With `stream_arguments` (a call forced by the grammar, so known to be well formed), a call is
-announced as soon as its name is read and its arguments stream as they are generated.
-Otherwise a call is emitted once it is complete, since until then it may still turn out to be
-text. The JSON itself is read by `json` (a complete value parses; an unfinished one does not),
-never by hand.
+`forced` (the grammar admits only calls) announces a call as soon as its name is read and
+streams its arguments as they are generated, emits no text at all, and takes a call cut short
+before its name was complete for the one tool whose name starts so. Otherwise a call is
+emitted once it is complete, since until then it may still turn out to be text. The JSON
+itself is read by `json` (a complete value parses; an unfinished one does not), never by hand.
 """
 
 from __future__ import annotations
@@ -34,14 +38,6 @@ class ToolCall:
     name: str
     arguments: str  # the arguments object's JSON text as written; cut short if not complete
     complete: bool = True
-
-    def parsed_arguments(self) -> dict[str, Any]:
-        """The arguments as a dict ({} for a call the output's end cut short)."""
-        try:
-            value = json.loads(self.arguments)
-        except ValueError:
-            return {}
-        return value if isinstance(value, dict) else {}
 
 
 @dataclass(slots=True)
@@ -73,6 +69,9 @@ _DECODER = json.JSONDecoder()
 _HEAD = re.compile(
     r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)'
 )  # a call's JSON up to its arguments object
+_NAME = re.compile(
+    r'\{\s*"name"\s*:\s*"(?P<name>(?:[^"\\]|\\.)*)(?P<closed>")?'
+)  # as far as it got
 
 
 def _partial_suffix(text: str, trigger: str) -> int:
@@ -104,7 +103,7 @@ class ToolCallParser:
     dialect: ToolDialect
     names: Collection[str]
     new_id: Callable[[], str]
-    stream_arguments: bool = False
+    forced: bool = False  # the grammar admits only calls to `names`
     max_calls: int | None = None  # 1 without parallel tool calls; later calls are dropped
     calls: list[ToolCall] = field(default_factory=list, init=False)
     text: str = field(default="", init=False)  # all text emitted so far
@@ -112,7 +111,14 @@ class ToolCallParser:
     _in_call: bool = field(default=False, init=False)  # the buffer starts with a trigger
     _ws: str = field(default="", init=False)  # trailing whitespace held back
     _after_call: bool = field(default=False, init=False)  # only whitespace since a call
+    _after_markup: bool = field(default=False, init=False)  # ... since dropped markup
+    _skipping: bool = field(default=False, init=False)  # inside a tag block that is no call
     _open: _Open | None = field(default=None, init=False)
+
+    @property
+    def _end_tag(self) -> str:
+        """The tag that closes a call in a dialect with tags, else ""."""
+        return self.dialect.suffix.strip() if self.dialect.prefix.strip() else ""
 
     def feed(self, delta: str) -> list[Event]:
         self._buf += delta
@@ -123,6 +129,10 @@ class ToolCallParser:
 
     # -- text ---------------------------------------------------------------------------
     def _emit_text(self, events: list[Event], text: str, *, hold_ws: bool) -> None:
+        if self.forced:
+            return  # the grammar admitted calls only: anything else is a call cut short
+        if self._after_markup:  # dropped markup leaves one space where it was
+            text = text.lstrip()
         text, self._ws = self._ws + text, ""
         if self._after_call:  # text after a call starts at its first visible character
             text = text.lstrip()
@@ -132,24 +142,50 @@ class ToolCallParser:
         if text:
             events.append(TextDelta(text))
             self.text += text
-            self._after_call = False
+            self._after_call = self._after_markup = False
+
+    def _skip_block(self, final: bool) -> bool:
+        """Drop a tag block that holds no call through its end tag; False while the end tag
+        has not come yet."""
+        end = self._buf.find(self._end_tag)
+        if end < 0:
+            keep = 0 if final else _partial_suffix(self._buf, self._end_tag)
+            self._buf = self._buf[len(self._buf) - keep :]
+            return False
+        self._buf = self._buf[end + len(self._end_tag) :]
+        self._skipping = False
+        self._after_markup = True
+        return True
 
     def _scan(self, final: bool) -> list[Event]:
         events: list[Event] = []
-        trigger = self.dialect.trigger
+        trigger, end_tag = self.dialect.trigger, self._end_tag
         while True:
+            if self._skipping and not self._skip_block(final):
+                return events
             if not self._in_call:
-                at = self._buf.find(trigger)
-                if at < 0:
-                    keep = 0 if final else _partial_suffix(self._buf, trigger)
+                at, end_at = self._buf.find(trigger), self._buf.find(end_tag) if end_tag else -1
+                if at < 0 and end_at < 0:
+                    keep = max(_partial_suffix(self._buf, m) for m in (trigger, end_tag))
+                    if final and not end_tag and not self.forced:
+                        keep = 0  # a bare `{"na` at the end is text, unless only calls can be
                     cut = len(self._buf) - keep
-                    self._emit_text(events, self._buf[:cut], hold_ws=not final or bool(self.calls))
+                    hold_ws = not final or bool(self.calls) or keep > 0
+                    self._emit_text(events, self._buf[:cut], hold_ws=hold_ws)
                     self._buf = self._buf[cut:]
-                    if final and self.calls:
-                        self._ws = ""  # whitespace between or after calls is not an answer
+                    if final:
+                        if self.forced and self._buf.strip():  # a call cut before its trigger
+                            self._cut_short(events, None)
+                        self._buf = ""  # a tag the end cut short is not text
+                        if self.calls:
+                            self._ws = ""  # whitespace between or after calls is not an answer
                     return events
+                if end_at >= 0 and (at < 0 or end_at < at):  # a stray end tag: markup
+                    self._emit_text(events, self._buf[:end_at], hold_ws=True)
+                    self._buf = self._buf[end_at + len(end_tag) :]
+                    self._after_markup = True
+                    continue
                 self._emit_text(events, self._buf[:at], hold_ws=True)
-                self._ws = ""
                 self._buf = self._buf[at:]
                 self._in_call = True
             if not self._call(events, final):
@@ -191,9 +227,13 @@ class ToolCallParser:
         return obj["name"], json.dumps(args), end
 
     def _not_a_call(self, events: list[Event]) -> bool:
-        """The trigger turned out to start plain text: emit it and scan on after it."""
+        """The trigger starts no call: a tag block is dropped through its end tag; a bare
+        `{"name"` is plain text. Scan on after it."""
         trigger = self.dialect.trigger
-        self._emit_text(events, trigger, hold_ws=True)
+        if self._end_tag:
+            self._skipping = True
+        else:
+            self._emit_text(events, trigger, hold_ws=True)
         self._buf = self._buf[len(trigger) :]
         self._in_call = False
         return True
@@ -211,15 +251,16 @@ class ToolCallParser:
         self._buf = rest
         self._in_call = False
         self._after_call = True
+        self._ws = ""  # whitespace before a call is not an answer
         return True
 
     def _call(self, events: list[Event], final: bool) -> bool:
         """Progress on the call at the buffer's start; False while it needs more text."""
         obj_at = self._object_start()
-        if obj_at == -1 or (obj_at is None and final):
+        if obj_at == -1:
             return self._not_a_call(events) if self._open is None else self._cut(events)
         if obj_at is None:
-            return False
+            return final and (self._cut_short(events, None) or self._not_a_call(events))
         read = self._read(obj_at)
         if read is not None:
             name, args, end = read
@@ -241,17 +282,20 @@ class ToolCallParser:
                 opened.call.arguments, opened.call.complete = args, True
                 return self._close(events, opened.call, rest)
             return self._close(events, ToolCall(self.new_id(), name, args), rest)
-        if self.stream_arguments:
+        if self.forced:
             self._stream_args(events, obj_at)
-        ended = self.dialect.suffix.strip() and self.dialect.suffix.strip() in self._buf
-        if final or ended:
-            return self._not_a_call(events) if self._open is None else self._cut(events)
+        if self._open is not None and (final or (self._end_tag and self._end_tag in self._buf)):
+            return self._cut(events)
+        if final:
+            return self._cut_short(events, obj_at) or self._not_a_call(events)
+        if self._end_tag and self._end_tag in self._buf:
+            return self._not_a_call(events)
         return False
 
     def _stream_args(self, events: list[Event], obj_at: int | None = None) -> None:
         """Announce a call once its name is read; send the arguments written since."""
         if self._open is None:
-            if not self.stream_arguments or obj_at is None:
+            if not self.forced or obj_at is None:
                 return
             if self.max_calls is not None and len(self.calls) >= self.max_calls:
                 return
@@ -270,6 +314,31 @@ class ToolCallParser:
         opened.call.arguments = self._buf[opened.args_start : opened.args_sent]
         opened.call.complete = value is not None
 
+    def _cut_short(self, events: list[Event], obj_at: int | None) -> bool:
+        """The output ended inside a call not yet announced: it is an incomplete call when
+        its tool is known (named in full, or, forced, the only one whose name starts so).
+        False when it is not."""
+        name = partial = ""
+        closed = False
+        args, complete = "", False
+        if obj_at is not None and _decode(self._buf, obj_at) is not None:
+            return False  # the object ended: what it is not, a cut could not make it
+        if obj_at is not None and (m := _NAME.match(self._buf, obj_at)) is not None:
+            partial, closed = m.group("name"), m.group("closed") is not None
+            head = _HEAD.match(self._buf, obj_at)
+            if head is not None:
+                value = _decode(self._buf, head.end())
+                complete = value is not None and isinstance(value[0], dict)
+                args = self._buf[head.end() : value[1] if complete and value else None]
+        if closed:
+            name = partial if partial in self.names else ""
+        elif self.forced:
+            matches = [n for n in self.names if n.startswith(partial)]
+            name = matches[0] if len(matches) == 1 else ""
+        if not name:
+            return False
+        return self._close(events, ToolCall(self.new_id(), name, args, complete), "")
+
     def _cut(self, events: list[Event]) -> bool:
         """An announced call whose output ended (or broke off) before it closed."""
         assert self._open is not None
@@ -285,11 +354,11 @@ def parse(
     names: Collection[str],
     new_id: Callable[[], str],
     *,
-    stream_arguments: bool = False,
+    forced: bool = False,
     max_calls: int | None = None,
 ) -> tuple[str, list[ToolCall]]:
     """(the text that is not calls, the calls) of a whole answer."""
-    parser = ToolCallParser(dialect, names, new_id, stream_arguments, max_calls)
+    parser = ToolCallParser(dialect, names, new_id, forced, max_calls)
     parser.feed(text)
     parser.finish()
     return parser.text, parser.calls

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
+from transformers import AutoTokenizer
 
 from shoal import LLM, SamplingParams
+from shoal.engine.grammar_pool import GrammarBusyError
+from shoal.engine.grammar_worker import GrammarBudget
 from shoal.engine.input_processor import InputProcessor
+from shoal.engine.structured import Grammars
 from shoal.errors import InvalidRequestError
 from shoal.sampling_params import StructuredOutput
 
@@ -104,12 +109,14 @@ def test_a_spec_that_does_not_compile_is_refused_before_queueing(tiny_chat_model
         StructuredOutput(regex="(a"),
         StructuredOutput(grammar="root ::= missing_rule"),
         StructuredOutput(structural_tag={"type": "structural_tag", "format": {"type": "bogus"}}),
+        StructuredOutput(json={"anyOf": []}),  # matches nothing: every answer would be empty
+        StructuredOutput(json={"$defs": {"x": {"$ref": "#/$defs/x"}}, "$ref": "#/$defs/x"}),
     ]
     for spec in bad:
         with pytest.raises(InvalidRequestError, match="does not compile"):
             llm.engine.add_request("Hello", _greedy(spec))
         with pytest.raises(InvalidRequestError, match="does not compile"):
-            llm.engine.check_structured(spec)
+            llm.engine.compile_structured(spec).result()
     assert _whole(llm)
     assert llm.generate("Hello", _greedy(SPECS[3]), use_tqdm=False)[0].text in SPECS[3].choice
 
@@ -201,7 +208,7 @@ def test_compiled_once_per_spec(tiny_chat_model: Path) -> None:
     assert (stats.grammar_cache_hits, stats.grammar_cache_misses) == (3, 1)
     # Compiling ahead for a request (as the server does, off its event loop) is no hit.
     choice = StructuredOutput(choice=["a", "b"])
-    llm.engine.check_structured(choice)
+    llm.engine.compile_structured(choice).result()
     llm.generate("Hi", _greedy(choice), use_tqdm=False)
     stats = llm.engine.stats()
     assert (stats.grammar_cache_hits, stats.grammar_cache_misses) == (3, 2)
@@ -220,3 +227,59 @@ def test_a_backend_without_grammars_refuses_constraints() -> None:
     inputs = InputProcessor(None, 32, 64, 64, 4, seeded=lambda s: None)
     with pytest.raises(InvalidRequestError, match="not supported on this backend"):
         inputs.process([1, 2], _greedy(SPECS[1]), None, 0, None)
+
+
+@pytest.fixture
+def grammars(tiny_chat_model: Path) -> Iterator[Callable[..., Grammars]]:
+    """`grammars(cache_bytes=..., **budget)`: a `Grammars` for the tiny model, closed after."""
+    tok = AutoTokenizer.from_pretrained(tiny_chat_model)
+    made: list[Grammars] = []
+
+    def make(cache_bytes: int = 256 << 20, **budget: Any) -> Grammars:
+        made.append(Grammars(tok, 320, [tok.eos_token_id], GrammarBudget(**budget), cache_bytes))
+        return made[-1]
+
+    yield make
+    for g in made:
+        g.close()
+
+
+# Minutes to compile on any CPU (3,000 optional properties: about 4 minutes on a Zen 3 core).
+SLOW = StructuredOutput(
+    json={"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
+)
+
+
+def _enum(i: int, n: int = 1500) -> StructuredOutput:
+    return StructuredOutput(json={"enum": [f"v{i}-{j:05d}-{'x' * 24}" for j in range(n)]})
+
+
+def test_the_cache_is_bounded_by_bytes(grammars: Callable[..., Grammars]) -> None:
+    one = grammars().compile(_enum(0)).memory_size_bytes
+    g = grammars(cache_bytes=3 * one)
+    held = g.compile(_enum(0))  # a request holds its grammar while it runs
+    for i in range(1, 10):
+        g.compile(_enum(i))
+        assert g.cached_bytes <= 3 * one
+    assert g.misses == 10
+    # Evicted long ago, but still held: served again without compiling.
+    assert g.compile(_enum(0)) is held and g.misses == 10
+    g.compile(_enum(1))  # evicted and not held: compiled again
+    assert g.misses == 11
+
+
+def test_a_refusal_is_remembered(grammars: Callable[..., Grammars]) -> None:
+    """A spec over budget is refused once; again it costs no compile. The slow spec takes
+    minutes on any CPU, so a one-second budget refuses it whatever the machine."""
+    g = grammars(timeout_s=1.0)
+    for _ in range(2):
+        with pytest.raises(InvalidRequestError, match="longer than 1 s to compile"):
+            g.compile(SLOW)
+    assert (g.misses, g.refusals) == (1, 1)
+    assert g.compile(SPECS[3]) is not None  # the pool goes on
+
+
+def test_a_request_waits_for_its_grammar_a_bounded_time(grammars: Callable[..., Grammars]) -> None:
+    g = grammars(timeout_s=600.0, wait_s=0.5)
+    with pytest.raises(GrammarBusyError, match=r"did not compile within 0\.5 s"):
+        g.compile(SLOW)

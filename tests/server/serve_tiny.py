@@ -1,6 +1,6 @@
 """Run a server on 127.0.0.1 for subprocess tests (kill -9, SIGTERM): `shoal serve` plus the
 settings tests need (a small KV pool, batch concurrency, a shared store and its lease, the
-batch line gate)."""
+batch line gate, the grammar cache and compile timeout)."""
 
 from __future__ import annotations
 
@@ -23,9 +23,16 @@ def main() -> None:
     p.add_argument("--store", default=None)
     p.add_argument("--batch-lease-s", type=float, default=10.0)
     p.add_argument("--batch-gate", type=Path, default=None)
+    p.add_argument("--grammar-cache-mib", type=int, default=256)
+    p.add_argument("--grammar-compile-timeout", type=float, default=20.0)
     a = p.parse_args()
     engine = EngineConfig(
-        model=a.model, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, max_waiting=1024
+        model=a.model,
+        num_blocks=a.num_blocks,
+        max_num_seqs=a.max_num_seqs,
+        max_waiting=1024,
+        grammar_cache_bytes=a.grammar_cache_mib << 20,
+        grammar_compile_timeout_s=a.grammar_compile_timeout,
     )
     config = ServerConfig(
         engine=engine,

@@ -134,7 +134,16 @@ def test_bad_tool_use_gets_a_400(claude: anthropic.Anthropic, tools_server: Live
         (
             _kw(
                 tools_server,
-                tools=[{"name": "t", "input_schema": {"type": "strin"}}],
+                tools=[
+                    {
+                        "name": "t",
+                        "input_schema": {
+                            "type": "object",
+                            "properties": {"a": {"type": "strin"}},
+                            "required": ["a"],
+                        },
+                    }
+                ],
                 tool_choice={"type": "any"},
             ),
             "strin",
@@ -173,3 +182,15 @@ def test_message_batches_take_tools(claude: anthropic.Anthropic, tools_server: L
     (use,) = _uses(ok.message)
     jsonschema.validate(use.input, CITY["input_schema"])
     assert results["bad"].type == "errored"
+
+
+def test_count_tokens_counts_a_prompt_of_any_length(
+    claude: anthropic.Anthropic, tools_server: LiveServer
+) -> None:
+    """Counting is how a client learns its prompt is too long: the count comes back, and the
+    same prompt is then refused by /v1/messages (bounded only by the body's byte limit)."""
+    long = [{"role": "user", "content": "hello world " * 6000}]
+    counted = claude.messages.count_tokens(model=tools_server.model, messages=long, tools=[ADD])
+    assert counted.input_tokens > tools_server.state.engine.max_model_len
+    with pytest.raises(anthropic.BadRequestError, match="tokens"):
+        claude.messages.create(model=tools_server.model, max_tokens=4, messages=long)

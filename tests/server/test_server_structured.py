@@ -224,7 +224,8 @@ def test_bad_input_gets_a_400_and_leaves_the_engine_whole(
     assert "strin" in _bad(
         client, server, "response_format", messages=ASK, response_format=bad_schema
     )
-    broken_tool = {"type": "function", "function": {"name": "t", "parameters": {"type": "strin"}}}
+    strin = {"type": "object", "properties": {"a": {"type": "strin"}}, "required": ["a"]}
+    broken_tool = {"type": "function", "function": {"name": "t", "parameters": strin}}
     assert "strin" in _bad(
         client, server, "tools", messages=ASK, tools=[broken_tool], tool_choice="required"
     )

@@ -1,5 +1,6 @@
 """Reading calls out of text: whole or streamed in any pieces, the same answer; lenient about
-what is not a call; forced calls stream their arguments; text is never taken back."""
+what is not a call, but markup is never text; a call cut short is still a call once its tool
+is known; forced calls stream their arguments and leave no text; text is never taken back."""
 
 from __future__ import annotations
 
@@ -61,17 +62,44 @@ def test_calls_and_text_apart() -> None:
     )
 
 
-def test_what_is_not_a_call_stays_text() -> None:
+def test_markup_is_never_text() -> None:
+    """A tag block that holds no call, a stray end tag and a tag the end cut short are dropped;
+    the text around them stays."""
     unknown = HERMES.call_text("nope", {})
-    for text in [
-        "no calls here <tool_ca",
-        f"{unknown} after",
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1',  # cut short
-        "<tool_call>\n[1, 2]\n</tool_call> and on",
-        '<tool_call>\n{"name": "add", "arguments": 3}\n</tool_call>',
-        "<tool_call> plain words </tool_call>",
+    for text, content in [
+        ("no calls here <tool_ca", "no calls here"),
+        (f"{unknown} after", "after"),
+        ("<tool_call>\n[1, 2]\n</tool_call> and on", "and on"),
+        ('<tool_call>\n{"name": "add", "arguments": 3}\n</tool_call>', ""),
+        ("<tool_call> plain words </tool_call>", ""),
+        ("<tool_call> never closed, then words", ""),
+        ("stray </tool_call> end tag", "stray end tag"),
+        (f"{ADD}\n</tool_", ""),
     ]:
-        assert _parse(text) == (text, []), text
+        assert _parse(text)[0] == content, text
+
+
+def test_what_is_not_a_call_stays_text_without_tags() -> None:
+    for text in [
+        '{"name": "Bob", "age": 3}',
+        'a {"na',
+        '{"name": "nope", "parameters": {}}',
+        '{"name": "add", "age": 3}',  # a known name, but an object that is no call
+    ]:
+        assert _parse(text, LLAMA3_JSON) == (text, []), text
+
+
+def test_a_call_cut_short_is_an_incomplete_call_once_its_tool_is_known() -> None:
+    for dialect in (HERMES, LLAMA3_JSON):
+        head = dialect.head("add")
+        content, calls = parse(head + '{"a": 1, "no', dialect, NAMES, _ids())
+        assert content == "" and [(c.name, c.arguments, c.complete) for c in calls] == [
+            ("add", '{"a": 1, "no', False)
+        ]
+    # The name not finished: without a grammar forcing calls, no tool is known. A tag is
+    # markup, dropped; a bare object may be an answer, kept.
+    assert _parse('<tool_call>\n{"name": "ad') == ("", [])
+    assert _parse('{"name": "ad', LLAMA3_JSON) == ('{"name": "ad', [])
 
 
 def test_arguments_as_a_json_string_and_a_missing_end_tag() -> None:
@@ -92,7 +120,7 @@ def test_without_parallel_calls_only_the_first_counts() -> None:
 
 
 def test_a_forced_call_streams_its_arguments_as_they_come() -> None:
-    parser, events = _stream(ADD, list(range(len(ADD))), stream_arguments=True)
+    parser, events = _stream(ADD, list(range(len(ADD))), forced=True)
     starts = [e for e in events if isinstance(e, CallStart)]
     pieces = [e.text for e in events if isinstance(e, ArgsDelta)]
     assert [(s.index, s.name) for s in starts] == [(0, "add")]
@@ -106,11 +134,29 @@ def test_a_forced_call_streams_its_arguments_as_they_come() -> None:
 
 def test_a_forced_call_cut_short_is_marked_incomplete() -> None:
     text = ADD[:-20]
-    parser, events = _stream(text, [10, 30, 40], stream_arguments=True)
+    parser, events = _stream(text, [10, 30, 40], forced=True)
     (call,) = parser.calls
     assert not call.complete and json.loads(call.arguments + '"}') == {"a": 1, "note": "x"}
-    assert call.parsed_arguments() == {}
     assert not any(isinstance(e, TextDelta) for e in events)
+
+
+def test_a_forced_call_cut_before_its_name_is_the_one_tool_it_can_be() -> None:
+    """`max_tokens` can end a forced answer inside the markup or the name: the call is still
+    a call (no arguments yet) when only one tool's name starts so; never text."""
+    weather = ("get_weather", '{"city": "Paris", "days": [1, 2]}', True)
+    for text, calls in [
+        ("<tool_", []),  # get_weather or add
+        ('<tool_call>\n{"name": "a', [("add", "", False)]),
+        ('<tool_call>\n{"name": "add", "argu', [("add", "", False)]),
+        (f'{WEATHER}\n<tool_call>\n{{"name": "get', [weather, ("get_weather", "", False)]),
+    ]:
+        content, got = parse(text, HERMES, NAMES, _ids(), forced=True)
+        assert (content, [(c.name, c.arguments, c.complete) for c in got]) == ("", calls), text
+    (one,) = parse("<tool_", HERMES, {"add"}, _ids(), forced=True)[1]  # a named tool choice
+    assert (one.name, one.complete) == ("add", False)
+    for text in ('{"na', '{"name": "a'):  # Llama 3.1's bare calls likewise
+        (one,) = parse(text, LLAMA3_JSON, {"add"}, _ids(), forced=True)[1]
+        assert (one.name, one.arguments) == ("add", "")
 
 
 @settings(max_examples=200, deadline=None)
@@ -122,14 +168,16 @@ def test_a_forced_call_cut_short_is_marked_incomplete() -> None:
             "plain text with a <tool_ and a < sign\n\n",
             f"{WEATHER}<tool_call>broken</tool_call> then text",
             "multi-byte é 😀 then " + HERMES.call_text("add", {"a": 1}),
+            f"{ADD}\n<tool_call>\n" + '{"name": "get_weather", "arguments": {"city": "Pa',
+            "words </tool_call> and <tool_call> never closed",
         ]
     ),
     st.lists(st.integers(0, 200), max_size=12),
     st.booleans(),
 )
 def test_any_pieces_give_the_whole_answer(text: str, cuts: list[int], forced: bool) -> None:
-    whole = parse(text, HERMES, NAMES, _ids(), stream_arguments=forced)
-    parser, events = _stream(text, [c for c in cuts if c <= len(text)], stream_arguments=forced)
+    whole = parse(text, HERMES, NAMES, _ids(), forced=forced)
+    parser, events = _stream(text, [c for c in cuts if c <= len(text)], forced=forced)
     assert (parser.text, parser.calls) == whole
     assert "".join(e.text for e in events if isinstance(e, TextDelta)) == parser.text
     for i, call in enumerate(parser.calls):

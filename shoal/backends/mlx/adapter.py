@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 import mlx.core as mx
@@ -78,12 +79,16 @@ class MLXEngine:
         return self.core.inputs.encode(prompt)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None = None,
+        *,
+        check_length: bool = True,
     ) -> list[int]:
-        return self.core.inputs.apply_chat_template(messages, tools)
+        return self.core.inputs.apply_chat_template(messages, tools, check_length=check_length)
 
-    def check_structured(self, spec: StructuredOutput) -> None:
-        self.core.inputs.check_structured(spec)  # refused: this backend has no grammars
+    def compile_structured(self, spec: StructuredOutput) -> Future[Any]:
+        return self.core.inputs.compile_structured(spec)  # refused: this backend has no grammars
 
     def add_request(
         self,

@@ -56,33 +56,43 @@ def message(
     }
 
 
-def content_blocks(message: dict[str, Any]) -> list[dict[str, Any]]:
-    """An OpenAI assistant message as Anthropic content blocks: text, then tool_use."""
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's `input`: its arguments, or of a call `max_tokens` cut short, what of them is
+    complete (read as the SDKs read a streamed call's `input_json_delta`s, by jiter)."""
+    import jiter
+
+    try:
+        value = jiter.from_json(arguments.encode(), partial_mode=True)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def content_blocks(message: dict[str, Any], forced: bool = False) -> list[dict[str, Any]]:
+    """An OpenAI assistant message as Anthropic content blocks: text, then tool_use. A forced
+    tool choice answers tool_use blocks only (none, if `max_tokens` left no call)."""
     blocks: list[dict[str, Any]] = []
-    if message.get("content") or not message.get("tool_calls"):
+    if message.get("content") or not (message.get("tool_calls") or forced):
         blocks.append({"type": "text", "text": message.get("content") or ""})
     for call in message.get("tool_calls") or []:
-        try:
-            arguments = json.loads(call["function"]["arguments"])
-        except ValueError:  # cut short by max_tokens
-            arguments = {}
+        arguments = tool_input(call["function"]["arguments"])
         blocks.append(
             {
                 "type": "tool_use",
                 "id": call["id"],
                 "name": call["function"]["name"],
-                "input": arguments if isinstance(arguments, dict) else {},
+                "input": arguments,
             }
         )
     return blocks
 
 
-def message_from_chat(rid: str, chat: dict[str, Any]) -> dict[str, Any]:
+def message_from_chat(rid: str, chat: dict[str, Any], forced: bool = False) -> dict[str, Any]:
     choice, usage = chat["choices"][0], chat["usage"]
     return message(
         rid,
         chat["model"],
-        content_blocks(choice["message"]),
+        content_blocks(choice["message"], forced),
         choice["finish_reason"],
         {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]},
     )

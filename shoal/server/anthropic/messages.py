@@ -36,6 +36,7 @@ from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
+TOOL_SCHEMA = "tools.{}.input_schema"  # where errors place a tool's schema
 
 
 def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
@@ -68,7 +69,9 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
 async def prepare(
     srv: Serving, req: MessagesRequest, priority: int = 0, session_id: str | None = None
 ) -> Prepared:
-    prep = await prepare_chat(srv, to_chat(req), priority=priority, session_id=session_id)
+    prep = await prepare_chat(
+        srv, to_chat(req), priority=priority, session_id=session_id, tool_schema_at=TOOL_SCHEMA
+    )
     prep.rid = new_id("msg_")
     if prep.tools is not None:
         prep.tools = dataclasses.replace(prep.tools, id_prefix="toolu_")
@@ -76,7 +79,8 @@ async def prepare(
 
 
 async def answer(srv: Serving, prep: Prepared) -> dict[str, Any]:
-    return fmt.message_from_chat(prep.rid, await respond(srv, prep))
+    forced = prep.tools is not None and bool(prep.tools.forced)
+    return fmt.message_from_chat(prep.rid, await respond(srv, prep), forced)
 
 
 async def run_line(
@@ -168,7 +172,8 @@ async def stream_events(
                 out = (await anext(gen))[1]
             except StopAsyncIteration:
                 break
-        if blocks.index < 0:  # nothing was said: one empty text block
+        forced = prep.tools is not None and bool(prep.tools.forced)
+        if blocks.index < 0 and not forced:  # nothing was said: one empty text block
             for line in blocks.on(TextDelta("")):
                 yield line
         for line in blocks.stop():
@@ -193,13 +198,15 @@ async def stream_events(
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(state: State, req: CountTokensRequest) -> dict[str, int]:
-    """The prompt's tokens, counted exactly as `POST /v1/messages` would build it."""
+    """The prompt's tokens, counted exactly as `POST /v1/messages` would build it, whatever
+    its length (the body's byte limit bounds the work)."""
     srv = state.serving
     chat = to_chat(req)
     if chat.model != srv.model_name:
         raise model_not_found(chat.model)
-    plan, _ = plan_answer(chat, getattr(srv.engine.tokenizer, "chat_template", None))
-    ids = await asyncio.to_thread(chat_prompt, srv.engine, chat, plan)
+    template = getattr(srv.engine.tokenizer, "chat_template", None)
+    plan, _ = plan_answer(chat, template, srv.schema_limits, TOOL_SCHEMA)
+    ids = await asyncio.to_thread(chat_prompt, srv.engine, chat, plan, check_length=False)
     return {"input_tokens": len(ids)}
 
 

@@ -39,6 +39,7 @@ class ToolParam(_Open):
     description: str | None = None
     input_schema: dict[str, Any] | None = None  # required of client tools
     type: str | None = None
+    strict: bool | None = None  # only keywords the grammar enforces (else a 400)
 
 
 class ToolChoice(_Open):

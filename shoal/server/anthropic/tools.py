@@ -1,6 +1,6 @@
 """Anthropic's tool use in the OpenAI chat shape the shared path takes, and back.
 
-In: `tools` (client tools: name, description, input_schema) become function tools;
+In: `tools` (client tools: name, description, input_schema, strict) become function tools;
 `tool_choice` auto / any / tool / none become auto / required / a named function / none, and
 `disable_parallel_tool_use` becomes `parallel_tool_calls=false`. An assistant turn's
 `tool_use` blocks become its `tool_calls`; a user turn's `tool_result` blocks become `tool`
@@ -42,6 +42,7 @@ def tool_fields(req: MessagesRequest | CountTokensRequest) -> dict[str, Any]:
                     "name": t.name,
                     "description": t.description,
                     "parameters": t.input_schema,
+                    "strict": t.strict,
                 },
             }
             for t in req.tools

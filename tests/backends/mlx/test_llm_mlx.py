@@ -130,7 +130,7 @@ def test_invalid_requests_raise_typed_errors(llm: LLM) -> None:
     with pytest.raises(InvalidRequestError, match="not supported on this backend"):
         llm.generate("hi", SamplingParams(max_tokens=4, structured=choice))
     with pytest.raises(InvalidRequestError, match="not supported on this backend"):
-        llm.engine.check_structured(choice)
+        llm.engine.compile_structured(choice)
 
 
 def test_pool_exhaustion_reaches_the_caller_as_a_finish_reason(tiny_gguf: Path) -> None:
