@@ -22,15 +22,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
 from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_output import output_files, result_line
-from shoal.server.errors import error_body, to_api_error
+from shoal.server.errors import APIError, error_body, to_api_error
 from shoal.server.formatting import batch_usage
-from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file
+from shoal.server.jsonl import MESSAGES, RESPONSES, BatchLine, parse_batch_file
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.replica import Heartbeat
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
@@ -42,6 +42,9 @@ from shoal.server.store import (
     Store,
     StoreError,
 )
+
+if TYPE_CHECKING:
+    from shoal.server.responses.service import Responses
 
 __all__ = ["ACTIVE", "TERMINAL", "BatchRunner", "BatchStatus", "LineResult", "execute_line"]
 
@@ -58,12 +61,23 @@ class LineResult:
 
 
 async def execute_line(
-    serving: Serving, endpoint: str, body: dict[str, Any], priority: int
+    serving: Serving,
+    endpoint: str,
+    body: dict[str, Any],
+    priority: int,
+    responses: Responses | None = None,
 ) -> LineResult:
-    """One batch request, answered as the HTTP route would answer it."""
+    """One batch request, answered as the HTTP route would answer it (`/v1/responses` lines
+    through `responses`: they read and store responses)."""
     if endpoint == MESSAGES:
         return LineResult(*await anthropic_messages.run_line(serving, body, priority))
     try:
+        if endpoint == RESPONSES:
+            if responses is None:
+                raise APIError(400, "this server does not run /v1/responses lines")
+            answer = await responses.run_line(body, priority)
+            used = answer["usage"]
+            return LineResult(200, answer, used["input_tokens"], used["output_tokens"])
         if endpoint == "/v1/chat/completions":
             req: Any = ChatCompletionRequest.model_validate(body)
             prep = await prepare_chat(serving, req, priority=priority)
@@ -96,11 +110,13 @@ class BatchRunner:
         lease_s: float = 10.0,
         poll_s: float = 0.2,
         watch_s: float = 1.0,
+        responses: Responses | None = None,
     ) -> None:
         """`poll_s`: how often a batch waiting for room looks again; `watch_s`: how often
         the store is asked for new batches and for status changes made elsewhere."""
         self.store = store
         self.serving = serving
+        self.responses = responses
         self.max_lines = max_lines
         self.priority = priority
         self.replica = replica
@@ -328,7 +344,7 @@ class BatchRunner:
 
     async def _one(self, batch_id: str, ln: BatchLine) -> None:
         while True:
-            r = await execute_line(self.serving, ln.url, ln.body, self.priority)
+            r = await execute_line(self.serving, ln.url, ln.body, self.priority, self.responses)
             if r.status == 429:  # the engine queue is full: wait, do not fail the request
                 await asyncio.sleep(0.5)
                 continue

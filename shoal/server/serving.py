@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,6 +29,7 @@ from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, Completion
 from shoal.server.structured import ToolPlan, plan_answer
 
 Prompt = str | list[int]
+PromptBuilder = Callable[[EngineProtocol, ChatCompletionRequest, ToolPlan | None], list[int]]
 
 
 @dataclass(slots=True)
@@ -155,14 +156,17 @@ async def prepare_chat(
     *,
     priority: int = 0,
     session_id: str | None = None,
+    prompt: PromptBuilder = chat_prompt,
 ) -> Prepared:
+    """`prompt` turns the messages into prompt ids (the Responses API continues a chain's
+    tokens through its own)."""
     _check_common(srv, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
     plan, structured = plan_answer(req, getattr(srv.engine.tokenizer, "chat_template", None))
 
     def work() -> list[int]:  # templating, tokenizing and compiling a grammar: off the loop
-        ids = chat_prompt(srv.engine, req, plan)
+        ids = prompt(srv.engine, req, plan)
         if structured is not None:
             try:
                 srv.engine.check_structured(structured)
