@@ -238,8 +238,9 @@ class Responses:
             if status != "failed" and out is not None:
                 ids = [*out.prompt_token_ids, *out.token_ids]
                 turn = Turn(p.prompt.text, ids, len(out.prompt_token_ids))
-            await self._finish(p, obj, turn, seq)
-            yield seq.number({"type": _TERMINAL_EVENT[status], "response": obj})
+            last = seq.number({"type": _TERMINAL_EVENT[status], "response": obj})
+            await self._finish(p, obj, turn, seq)  # with its events, the last one included
+            yield last
         except asyncio.CancelledError:
             if p.req.background:
                 status = "failed" if self.background.closing else "cancelled"
