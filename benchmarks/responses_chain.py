@@ -4,7 +4,10 @@ vs resending the whole conversation vs chat completions without sessions (issue 
 One agent runs 8 turns with a function tool: turns 1-7 must call `lookup` (its result, ~150
 tokens, goes back as the next turn's input), turn 8 may answer (`tool_choice: auto`; `none`
 would drop the tools from the prompt, and with them the prefix every turn shares). Each turn
-streams; TTFT is the time to the first event that carries output (an output item, or a delta).
+streams. TTFT is the server's own (arrival to first token: its `/metrics` histogram's sum
+before and after each turn, the turns running one at a time): a forced call's first streamed
+event comes only once the call's name is written, a dozen tokens later, which would hide
+what the prompt cost. The loop time is the client's, request to last event, all 8 turns.
 Three ways, each on a fresh `shoal serve` of the bundled SmolLM2 (greedy decoding):
 
 - chained:     `/v1/responses` with `previous_response_id`, sending only the new items;
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -39,6 +43,8 @@ from serve_process import free_port, start_serve
 
 REPO = Path(__file__).resolve().parent.parent
 TURNS = 8
+SHOAL_TTFT = "shoal_time_to_first_token_seconds"
+VLLM_TTFT = "vllm:time_to_first_token_seconds"
 INSTRUCTIONS = (
     "You are a travel assistant. For every city the user names, call the lookup tool once "
     "to get its weather, then summarise what you learned in two sentences. Answer in plain "
@@ -71,6 +77,17 @@ def tool_result(turn: int) -> str:
 def question(agent: int) -> str:
     cities = ", ".join(CITIES[(agent + i) % len(CITIES)] for i in range(TURNS - 1))
     return f"I am planning a trip through {cities}. What weather should I expect in each?"
+
+
+@dataclass
+class Server:
+    http: httpx.Client
+    ttft_metric: str  # the server's time-to-first-token histogram
+
+    def ttft_sum(self) -> float:
+        text = self.http.get("/metrics").text
+        pattern = rf"^{re.escape(self.ttft_metric)}_sum(?:{{[^}}]*}})? (\S+)$"
+        return sum(float(v) for v in re.findall(pattern, text, re.M))
 
 
 @dataclass
@@ -113,18 +130,18 @@ def sse(http: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[tuple[f
 
 
 def responses_turn(
-    http: httpx.Client, body: dict[str, Any]
+    server: Server, body: dict[str, Any]
 ) -> tuple[Turn, dict[str, Any], list[dict[str, Any]]]:
     """One streamed response: its timing, the final object, and its output items."""
-    ttft, seconds, final, items = 0.0, 0.0, {}, []
-    for t, event in sse(http, "/v1/responses", body):
+    seconds, final, items = 0.0, {}, []
+    before = server.ttft_sum()
+    for t, event in sse(server.http, "/v1/responses", body):
         kind = event["type"]
-        if not ttft and kind not in ("response.created", "response.in_progress"):
-            ttft = t
         if kind == "response.output_item.done":
             items.append(event["item"])
         if kind in ("response.completed", "response.incomplete", "response.failed"):
             final, seconds = event["response"], t
+    ttft = server.ttft_sum() - before
     usage = final.get("usage") or {}
     cached = (usage.get("input_tokens_details") or {}).get("cached_tokens", 0)
     return Turn(ttft, seconds, usage.get("input_tokens", 0), cached), final, items
@@ -149,7 +166,7 @@ def _turn_fields(turn: int, max_tokens: int) -> dict[str, Any]:
     }
 
 
-def chained(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Run) -> None:
+def chained(server: Server, model: str, agent: int, max_tokens: int, run: Run) -> None:
     turns, calls, previous = [], [], None
     items: list[dict[str, Any]] = [{"role": "user", "content": question(agent)}]
     for turn in range(TURNS):
@@ -157,7 +174,7 @@ def chained(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Ru
         body.update(_turn_fields(turn, max_tokens))
         if previous:
             body["previous_response_id"] = previous
-        timing, final, out = responses_turn(http, body)
+        timing, final, out = responses_turn(server, body)
         turns.append(timing)
         previous = final["id"]
         if turn < TURNS - 1:
@@ -169,13 +186,13 @@ def chained(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Ru
     run.calls.append(calls)
 
 
-def full_resend(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Run) -> None:
+def full_resend(server: Server, model: str, agent: int, max_tokens: int, run: Run) -> None:
     turns, calls = [], []
     items: list[dict[str, Any]] = [{"role": "user", "content": question(agent)}]
     for turn in range(TURNS):
         body = {"model": model, "instructions": INSTRUCTIONS, "input": items, "store": False}
         body.update(_turn_fields(turn, max_tokens))
-        timing, _, out = responses_turn(http, body)
+        timing, _, out = responses_turn(server, body)
         turns.append(timing)
         if turn < TURNS - 1:
             call = _call_of(out)
@@ -187,7 +204,7 @@ def full_resend(http: httpx.Client, model: str, agent: int, max_tokens: int, run
     run.calls.append(calls)
 
 
-def chat(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Run) -> None:
+def chat(server: Server, model: str, agent: int, max_tokens: int, run: Run) -> None:
     tools = [{"type": "function", "function": {k: LOOKUP[k] for k in ("name", "description",
                                                                       "parameters")}}]  # fmt: skip
     messages: list[dict[str, Any]] = [
@@ -208,19 +225,19 @@ def chat(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Run) 
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        ttft, seconds, usage, call = 0.0, 0.0, {}, {"id": "", "name": "", "arguments": ""}
-        for t, chunk in sse(http, "/v1/chat/completions", body):
+        seconds, usage, call = 0.0, {}, {"id": "", "name": "", "arguments": ""}
+        before = server.ttft_sum()
+        for t, chunk in sse(server.http, "/v1/chat/completions", body):
             seconds = t
             usage = chunk.get("usage") or usage
             for choice in chunk.get("choices") or []:
                 delta = choice.get("delta") or {}
-                if not ttft and (delta.get("content") or delta.get("tool_calls")):
-                    ttft = t
                 for tc in delta.get("tool_calls") or []:
                     call["id"] = tc.get("id") or call["id"]
                     fn = tc.get("function") or {}
                     call["name"] = fn.get("name") or call["name"]
                     call["arguments"] += fn.get("arguments") or ""
+        ttft = server.ttft_sum() - before
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         turns.append(Turn(ttft, seconds, usage.get("prompt_tokens", 0), cached))
         if forced:
@@ -235,16 +252,17 @@ def chat(http: httpx.Client, model: str, agent: int, max_tokens: int, run: Run) 
     run.calls.append(calls)
 
 
-Loop = Callable[[httpx.Client, str, int, int, Run], None]
+Loop = Callable[[Server, str, int, int, Run], None]
 
 
-def measure(url: str, who: str, loop: Loop, agents: int, max_tokens: int) -> Run:
+def measure(url: str, who: str, loop: Loop, agents: int, max_tokens: int, metric: str) -> Run:
     run = Run(who)
     with httpx.Client(base_url=url, timeout=600) as http:
+        server = Server(http, metric)
         model = http.get("/v1/models").json()["data"][0]["id"]
-        loop(http, model, agents, max_tokens, Run("warm-up"))  # kernels, grammars: first use
+        loop(server, model, agents, max_tokens, Run("warm-up"))  # kernels, grammars: first use
         for agent in range(agents):
-            loop(http, model, agent, max_tokens, run)
+            loop(server, model, agent, max_tokens, run)
     return run
 
 
@@ -253,7 +271,7 @@ def shoal_run(who: str, loop: Loop, agents: int, max_tokens: int, threads: int) 
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         proc, url = start_serve(data)
         try:
-            return measure(url, who, loop, agents, max_tokens)
+            return measure(url, who, loop, agents, max_tokens, SHOAL_TTFT)
         finally:
             proc.terminate()
             proc.wait(timeout=60)
@@ -287,7 +305,7 @@ def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
                     break
             except httpx.HTTPError:
                 time.sleep(1)
-        return measure(url, "vLLM chained", chained, agents, max_tokens)
+        return measure(url, "vLLM chained", chained, agents, max_tokens, VLLM_TTFT)
     finally:
         proc.terminate()
         proc.wait(timeout=120)
