@@ -278,7 +278,8 @@ def shoal_run(who: str, loop: Loop, agents: int, max_tokens: int, threads: int) 
 
 
 def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
-    """vLLM's CPU backend as an OpenAI server with its response store on, chained loop."""
+    """vLLM's CPU backend as an OpenAI server with its response store on, chained loop
+    (its log: `<cache>/vllm-cpu/vllm-serve.log`)."""
     import vllm_peer
 
     root = vllm_peer.setup(REPO)
@@ -286,7 +287,9 @@ def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
     env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     port = free_port()
     cmd = [
-        str(root / "venv" / "bin" / "vllm"), "serve", str(root / "smollm2-135m-hf"),
+        # `vllm serve` looks up the package `vllm`'s metadata: this one is `vllm-cpu`.
+        str(root / "venv" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(root / "smollm2-135m-hf"),
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2",
         "--max-num-batched-tokens", "2048", "--max-num-seqs", "64", "--dtype", "float32",
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
@@ -296,7 +299,7 @@ def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 600
+        deadline = time.monotonic() + 1800  # ten minutes on a busy 2-core machine
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit(f"vllm serve did not start; see {log}")
@@ -308,7 +311,11 @@ def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
         return measure(url, "vLLM chained", chained, agents, max_tokens, VLLM_TTFT)
     finally:
         proc.terminate()
-        proc.wait(timeout=120)
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main() -> None:

@@ -70,14 +70,12 @@ class BackgroundTasks:
     def remove(self, response_id: str) -> None:
         self._running.pop(response_id, None)
 
-    async def stop(self, response_id: str) -> bool:
-        """Cancel a running response's task and wait for it to record its end."""
+    async def stop(self, response_id: str) -> None:
+        """Cancel a running response's task (if it runs here) and wait for it to end."""
         running = self._running.get(response_id)
-        if running is None or running.task is None:
-            return False
-        running.task.cancel()
-        await asyncio.gather(running.task, return_exceptions=True)
-        return True
+        if running is not None and running.task is not None:
+            running.task.cancel()
+            await asyncio.gather(running.task, return_exceptions=True)
 
     async def close(self) -> None:
         self.closing = True

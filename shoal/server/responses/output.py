@@ -13,12 +13,8 @@ from shoal.server.responses.protocol import NamedFunction, ResponseCreateRequest
 
 
 def status_of(finish_reason: str | None) -> str:
-    """A finished answer's response status."""
-    if finish_reason == "length":
-        return "incomplete"
-    if finish_reason == "abort":
-        return "failed"
-    return "completed"
+    """A finished answer's response status (an aborted one never gets here: it failed)."""
+    return "incomplete" if finish_reason == "length" else "completed"
 
 
 def usage(out: RequestOutput, kept: bool) -> dict[str, Any]:

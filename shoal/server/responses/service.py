@@ -37,7 +37,7 @@ from shoal.server.responses.prompt import ChainPrompt, Turn
 from shoal.server.responses.protocol import InputTokensRequest, ResponseCreateRequest
 from shoal.server.serving import Prepared, Serving, merged, prepare_chat, start_stream
 from shoal.server.store import Store
-from shoal.server.store.responses import StoredResponse
+from shoal.server.store.responses import UNFINISHED, StoredResponse
 
 T = TypeVar("T")
 Outputs = AsyncGenerator[tuple[int, RequestOutput]]
@@ -263,11 +263,6 @@ class Responses:
             raise p.failure
         return final
 
-    async def stream(self, p: Pending) -> AsyncIterator[dict[str, Any]]:
-        """Start a streamed response: bad input fails here, before the 200."""
-        gen, first = await start_stream(self.serving, p.prep)
-        return self.events(p, gen, first[1], Sequenced())
-
     async def launch(self, p: Pending) -> Running:
         """Store a background response as queued and start it; its events go to a log."""
         queued = p.frame.response("queued")
@@ -278,6 +273,8 @@ class Responses:
 
         async def run() -> None:
             try:
+                started = {**queued, "status": "in_progress"}
+                await self._db(self.store.start_response, p.frame.id, started)
                 gen = merged(self.serving, p.prep)
                 async for event in self.events(p, gen, None, Sequenced(keep=True)):
                     await running.log.add(event)
@@ -300,9 +297,11 @@ class Responses:
             raise APIError(400, "only a background response can be cancelled")
         if found.status == "cancelled":
             return found.obj
-        if found.status not in ("queued", "in_progress"):
+        if found.status not in UNFINISHED:
             raise APIError(400, f"the response is {found.status} and cannot be cancelled")
-        if not await self.background.stop(response_id):  # running elsewhere, or its server died
+        await self.background.stop(response_id)
+        found = await self.get(response_id)
+        if found.status in UNFINISHED:  # cancelled before it began, or not running here
             obj = {**found.obj, "status": "cancelled"}
             await self._db(self.store.finish_response, response_id, obj)
         return (await self.get(response_id)).obj

@@ -64,6 +64,15 @@ class ResponseTables(Tables):
                 (keep,),
             )
 
+    def start_response(self, response_id: str, obj: dict[str, Any]) -> bool:
+        """A queued background response is running now (False: it was cancelled first)."""
+        with self._tx() as tx:
+            cur = tx.q(
+                "UPDATE responses SET status = ?, obj = ? WHERE id = ? AND status = 'queued'",
+                (obj["status"], _dump(obj), response_id),
+            )
+            return bool(cur.rowcount > 0)
+
     def finish_response(
         self,
         response_id: str,
