@@ -1,10 +1,12 @@
 """Stored responses, the same on SQLite and PostgreSQL: a response and its turn come back
 whole, a finish is a compare-and-set on an unfinished response, deleting tells whether its
 chain has any left, unfinished background responses are found by their replica, and the
-retention bounds (count and age) drop the oldest rows."""
+retention bounds (count and age) drop the oldest rows; a replica that starts again fails the
+background responses it was running."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +15,7 @@ from typing import Any
 import pytest
 from server_fixtures import STORES, fresh_store
 
+from shoal.server.responses.service import Responses
 from shoal.server.store import Store, open_store
 from shoal.server.store.responses import StoredResponse
 
@@ -79,3 +82,13 @@ def test_retention_drops_the_oldest(store: Store) -> None:
         r for r in ("resp_old", "resp_0", "resp_1", "resp_2", "resp_3") if store.get_response(r)
     ]
     assert kept == ["resp_1", "resp_2", "resp_3"]
+
+
+def test_a_restarted_replica_fails_what_it_was_running(store: Store) -> None:
+    store.add_response(response("resp_d", "resp_d", "in_progress", owner="r1"), keep=BIG,
+                       max_age_s=1e9)  # fmt: skip
+    store.add_response(response("resp_e", "resp_e", "queued", owner="r2"), keep=BIG, max_age_s=1e9)
+    asyncio.run(Responses(None, store, "r1", BIG, 1e9).start())  # type: ignore[arg-type]
+    mine, theirs = store.get_response("resp_d"), store.get_response("resp_e")
+    assert mine is not None and mine.status == "failed" and mine.obj["error"]["message"]
+    assert theirs is not None and theirs.status == "queued"  # another replica's to finish
