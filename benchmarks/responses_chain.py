@@ -114,6 +114,7 @@ class Run:
             f"  {self.who:<12} mean TTFT turns 2-{TURNS}: {statistics.mean(later) * 1000:7.1f} ms"
             f"   loop: {total:6.2f} s"
             + (f"   cached: {statistics.mean(cached):5.1%} of input" if cached else "")
+            + f"   turn {TURNS}: {self.turns[0][-1].input_tokens} tokens in"
         )
         return {"ttft": statistics.mean(later), "total": total}
 
