@@ -176,6 +176,8 @@ def chat_tool_choice(choice: Any) -> Any:
         return choice
     if isinstance(choice, NamedFunction):
         return {"type": "function", "function": {"name": choice.name}}
+    if choice.get("type") == "function":
+        raise APIError(400, "tool_choice of type 'function' needs a name", param="tool_choice")
     raise APIError(
         400,
         f"tool_choice of type {choice.get('type')!r} is not supported: use none, auto, "
