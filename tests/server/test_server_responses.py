@@ -176,6 +176,27 @@ def test_function_calls_stay_in_the_chain(client: openai.OpenAI, live: LiveServe
         )
 
 
+def test_truncation_auto_drops_the_oldest_exchanges(live: LiveServer) -> None:
+    """Three long exchanges do not fit the 4,096 positions: `disabled` (the default) is a 400,
+    `auto` leaves out the oldest until the prompt fits, keeping the system message."""
+    long = " ".join(map(str, range(400)))  # ~1,500 tokens: digits are not merged here
+    items = [
+        {"role": "user", "content": f"{i}: {long}"} if i % 2 == 0
+        else {"role": "assistant", "content": "noted"}
+        for i in range(5)
+    ]  # fmt: skip
+    body = {"input": items, "instructions": "Be brief.", **GREEDY}
+    refused = _post(live, body)
+    assert (
+        refused.status_code == 400 and refused.json()["error"]["code"] == "context_length_exceeded"
+    )
+    fitted = _post(live, {**body, "truncation": "auto"})
+    assert fitted.status_code == 200, fitted.text
+    whole = _post(live, {**body, "input": items[4:]})  # the last exchange alone
+    assert whole.json()["usage"]["input_tokens"] < fitted.json()["usage"]["input_tokens"] < 4096
+    assert fitted.json()["truncation"] == "auto"
+
+
 def test_unknown_ids_are_404s_in_openai_shape(client: openai.OpenAI, live: LiveServer) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(
