@@ -33,6 +33,7 @@ from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_runner import BatchRunner
 from shoal.server.datadir import DataDirBusyError, DataDirLock
 from shoal.server.errors import install_handlers
+from shoal.server.line_gate import LineGate
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
 from shoal.server.quota import QuotaGate
@@ -91,6 +92,7 @@ def create_app(
             replica=replica,
             lease_s=config.batch_lease_s,
             responses=responses,
+            gate=LineGate(config.batch_gate) if config.batch_gate else None,
         )
         state = ServerState(config, serving, db, runner, gate, responses=responses)
         app.state.shoal = state

@@ -31,6 +31,7 @@ from shoal.server.batch_output import output_files, result_line
 from shoal.server.errors import APIError, error_body, to_api_error
 from shoal.server.formatting import batch_usage
 from shoal.server.jsonl import MESSAGES, RESPONSES, BatchLine, parse_batch_file
+from shoal.server.line_gate import LineGate
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.replica import Heartbeat
 from shoal.server.serving import Serving, prepare_chat, prepare_completion, respond
@@ -111,9 +112,11 @@ class BatchRunner:
         poll_s: float = 0.2,
         watch_s: float = 1.0,
         responses: Responses | None = None,
+        gate: LineGate | None = None,
     ) -> None:
         """`poll_s`: how often a batch waiting for room looks again; `watch_s`: how often
-        the store is asked for new batches and for status changes made elsewhere."""
+        the store is asked for new batches and for status changes made elsewhere; `gate`: a
+        test hook that holds answered lines before their results are stored."""
         self.store = store
         self.serving = serving
         self.responses = responses
@@ -125,6 +128,7 @@ class BatchRunner:
         self._capacity = concurrency
         self._busy = 0  # this server's batch requests in flight, all batches together
         self._heartbeat = Heartbeat(store, replica, lease_s)
+        self._gate = gate
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -351,6 +355,8 @@ class BatchRunner:
             if r.status == 503:  # shutting down: leave it for another replica or the resume
                 return
             break
+        if self._gate is not None:
+            await self._gate.hold(ln.custom_id)
         line = result_line(ln.custom_id, r.status, r.body)
         ok = r.status == 200
         args = (batch_id, ln.custom_id, ln.line, ok, line, r.prompt_tokens, r.completion_tokens)

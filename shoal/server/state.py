@@ -48,6 +48,7 @@ class ServerConfig:
     batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
     responses_keep: int = 100_000  # stored responses kept at most (the oldest go first)
     responses_max_age_s: float = 30 * 86400.0  # and for at most this long
+    batch_gate: Path | None = None  # a test hook: see `server.line_gate`
 
     @property
     def store_url(self) -> str:

@@ -11,6 +11,7 @@ import httpx
 import openai
 import pytest
 from batchify_helpers import batch_ids, chat_kw
+from engine_steps import engine_steps
 from openai.types.chat import ChatCompletion
 from openai.types.responses import Response
 from server_harness import LiveServer
@@ -168,16 +169,18 @@ async def test_expired_requests_raise_a_typed_error(
     start_server: Any, scope_kw: dict[str, Any]
 ) -> None:
     """One request at a time in a 1 s window: the later ones expire, the finished ones
-    still come back (output and error files are merged). 12 x 400 tokens one after another
-    take several seconds even on a fast CPU (6 x 200 once all fitted in the window)."""
+    still come back (output and error files are merged). The engine stops after the first
+    request, so the window passes with the rest unfinished, on any CPU."""
     live = start_server(batch_window_s=1, batch_concurrency=1)
     client = openai.AsyncOpenAI(base_url=f"{live.url}/v1", api_key="k", max_retries=0)
-    kw = chat_kw(live.model, "Hello", max_tokens=400, extra_body={"ignore_eos": True})
-    async with batchify(**scope_kw):
-        got = await asyncio.gather(
-            *(client.chat.completions.create(**{**kw, "seed": i}) for i in range(12)),
-            return_exceptions=True,
-        )
+    kw = chat_kw(live.model, "Hello", max_tokens=16, extra_body={"ignore_eos": True})
+    with engine_steps(live.state.engine) as steps:
+        steps.hold(when=lambda: len(steps.finished) >= 1)
+        async with batchify(**scope_kw):
+            got = await asyncio.gather(
+                *(client.chat.completions.create(**{**kw, "seed": i}) for i in range(12)),
+                return_exceptions=True,
+            )
     expired = [g for g in got if isinstance(g, BatchExpiredError)]
     assert expired and "expired" in str(expired[0])
     assert all(isinstance(g, (BatchExpiredError, ChatCompletion)) for g in got)

@@ -16,6 +16,7 @@ class Cluster:
     model: str
     model_dir: Path
     tier: Path
+    gate: Path  # the replicas' batch line gate (`batch_helpers.HeldLines`)
 
     def replica_actor(self, replica: str) -> object:
         return ray.get_actor(f"SERVE_REPLICA::{APP}#engine#{replica}", namespace="serve")

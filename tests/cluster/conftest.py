@@ -24,7 +24,7 @@ from shoal.server.state import ServerConfig
 
 START_TIMEOUT_S = 240
 BATCH_LEASE_S = 2.0
-BATCH_CONCURRENCY = 2  # batch requests per replica at once: a batch lasts long enough to kill
+BATCH_CONCURRENCY = 2  # batch requests per replica at once
 
 
 @pytest.fixture(scope="package")
@@ -41,6 +41,7 @@ def cluster(
         store=postgres.new_database(),
         batch_lease_s=BATCH_LEASE_S,
         batch_concurrency=BATCH_CONCURRENCY,
+        batch_gate=data / "gate",
     )
     config = ClusterConfig(
         server,
@@ -59,6 +60,6 @@ def cluster(
             time.sleep(0.2)
         model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
         print(f"cluster ready in {time.monotonic() - started:.1f} s")
-        yield Cluster(url, model, tiny_chat_model, data / "session-tier")
+        yield Cluster(url, model, tiny_chat_model, data / "session-tier", data / "gate")
     finally:
         stop_local()

@@ -2,17 +2,21 @@
 
 - 8 sessions x 4 interleaved turns: every turn lands on its session's replica (hit rate 100 %,
   nothing moved), reuses its session's KV, and says what a no-cache run says;
-- `ray.kill` of a replica mid-run: every request after it succeeds (the SDK's retries allowed),
-  the dead replica's sessions continue elsewhere restored from the shared tier (tokens reused
-  > 0) with a no-cache run's outputs;
+- `ray.kill` of a replica once its turns are durable in the shared tier, while a round runs:
+  every request after it succeeds (the SDK's retries allowed), the dead replica's sessions
+  continue elsewhere restored from the shared tier (tokens reused > 0) with a no-cache run's
+  outputs;
 - the same routes, errors and streaming as `shoal serve`, OpenAI's and Anthropic's;
 - a batch created through the ingress runs on both replicas (their shared PostgreSQL store);
-  `ray.kill` of one mid-batch and it still completes with every result exactly once.
+  kill -9 of one while it holds answered lines (the line gate keeps them in flight, on any CPU)
+  and it still completes with every result exactly once.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import threading
 import time
 from collections import Counter
@@ -25,7 +29,7 @@ import httpx
 import openai
 import pytest
 import ray
-from batch_helpers import TERMINAL, chat_line, jsonl, read_lines, upload
+from batch_helpers import TERMINAL, HeldLines, chat_line, jsonl, read_lines, upload
 from cluster_harness import Cluster
 
 from shoal import LLM, SamplingParams
@@ -34,7 +38,7 @@ SESSIONS = 8
 TURNS = 4
 MAX_TOKENS = 8
 BATCH_LINES = 48
-BATCH_TOKENS = 48  # at 2 batch requests per replica, the batch runs for seconds
+BATCH_TOKENS = 48
 
 
 @dataclass
@@ -130,22 +134,35 @@ def test_every_turn_lands_on_its_sessions_replica(cluster: Cluster) -> None:
 def test_a_killed_replicas_sessions_continue_restored_from_the_tier(cluster: Cluster) -> None:
     client = sdk(cluster)
     convs = [Conversation(f"failover-{i}") for i in range(SESSIONS)]
-    tokens = [MAX_TOKENS, MAX_TOKENS, 48, MAX_TOKENS]  # turn 3 is long: the kill lands mid-turn
+    tokens = [MAX_TOKENS, MAX_TOKENS, 48, MAX_TOKENS]  # turn 3 is long: the kill may land mid-turn
     for t in range(2):
         play_round(convs, client, cluster.model, t, tokens[t])
     homes = [conv.turns[-1].replica for conv in convs]
     victim = max(set(homes), key=homes.count)
     orphans = [c for c, home in zip(convs, homes, strict=True) if home == victim]
     reads_before = sum(metric(cluster, "shoal_tier_reads_total").values())
+    # The tier's promise is for turns it holds durably: wait for every queued write to land.
+    # What follows holds wherever the kill lands in round 3 (mid-turn: the SDK retries
+    # elsewhere; after it: round 4 moves), so the killer only tries for mid-turn.
+    deadline = time.monotonic() + 60
+    while any(metric(cluster, "shoal_tier_pending").values()):
+        assert time.monotonic() < deadline, "the session tier did not catch up"
+        time.sleep(0.05)
+    round_over = threading.Event()
 
-    def kill_soon() -> None:
-        time.sleep(0.3)
+    def kill_while_running() -> None:
+        running = "shoal_num_requests_running"
+        while not (round_over.is_set() or metric(cluster, running).get(victim, 0) > 0):
+            time.sleep(0.01)
         ray.kill(cluster.replica_actor(victim), no_restart=True)
 
-    killer = threading.Thread(target=kill_soon)
+    killer = threading.Thread(target=kill_while_running)
     killer.start()
-    play_round(convs, client, cluster.model, 2, tokens[2])
-    killer.join()
+    try:
+        play_round(convs, client, cluster.model, 2, tokens[2])
+    finally:
+        round_over.set()
+        killer.join()
     play_round(convs, client, cluster.model, 3, tokens[3])
 
     for conv in orphans:
@@ -232,17 +249,20 @@ def test_a_batch_running_during_a_replica_kill_completes_exactly_once(cluster: C
     assert client.files.retrieve(file_id).bytes == len(data)
     assert client.files.content(file_id).content == data
     assert file_id in {f.id for f in client.files.list()}
-    batch = client.batches.create(
-        input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
-    )
-    written = "shoal_batch_requests_total"
-    deadline = time.monotonic() + 120
-    while len(ran := metric(cluster, written, outcome="completed")) < 2 or min(ran.values()) < 2:
-        assert time.monotonic() < deadline, f"the batch did not fan out: {ran}"
-        time.sleep(0.25)  # both replicas run the batch created through one of them
-    victim = sorted(ran)[0]
-    ray.kill(cluster.replica_actor(victim), no_restart=True)  # with lines claimed, in flight
-    assert client.batches.retrieve(batch.id).status == "in_progress"  # the API answers
+    gate = HeldLines(cluster.gate)
+    gate.close()
+    try:
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        # Both replicas run the batch created through one of them: each holds answered lines.
+        gate.wait(lambda held: len(held) == 2)
+        victim = min(gate.by_process())
+        os.kill(victim, signal.SIGKILL)  # kill -9, with lines claimed and in flight
+        status = client.batches.retrieve(batch.id).status
+        assert status == "in_progress"  # the API answers, and no answer has been stored yet
+    finally:
+        gate.open()
     deadline = time.monotonic() + 180
     while (batch := client.batches.retrieve(batch.id)).status not in TERMINAL:
         assert time.monotonic() < deadline, f"the batch did not finish: {batch}"

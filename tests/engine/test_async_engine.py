@@ -12,10 +12,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from engine_steps import engine_steps
 
 from shoal import AsyncEngine, Engine, SamplingParams
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+CALLS_PER_WAVE = 8  # control calls per wave of requests, each after one more engine step
 
 
 @pytest.fixture
@@ -58,27 +60,30 @@ async def test_control_calls_during_steps_never_corrupt_the_pool(engine: Engine)
     sids = ["a", "b", "c", "d", None]
     prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(4, 40))] for _ in range(60)]
     work: list[asyncio.Task[str | None]] = []
-    calls = 0
-    for wave in range(3):  # the first wave meets a reset; the others run to their length
-        work += [
-            asyncio.create_task(run_one(aeng, p, sids[i % len(sids)]))
-            for i, p in enumerate(prompts[20 * wave : 20 * wave + 20])
-        ]
-        while not all(t.done() for t in work):
-            op = rng.randrange(3)
-            if wave == 0 and calls == 3:
-                await aeng.reset()  # aborts whatever runs: those requests finish as "abort"
-            elif op == 0:
-                await aeng.drop_session(rng.choice("abcd"))
-            elif op == 1:
-                await aeng.save_sessions()
-            else:
-                await asyncio.sleep(0.001)
-            calls += 1
-            assert await aeng.call(pool_whole, engine)
+    with engine_steps(engine) as steps:
+        steps.hold()
+        for wave in range(3):  # the first wave meets a reset; the others run to their length
+            work += [
+                asyncio.create_task(run_one(aeng, p, sids[i % len(sids)]))
+                for i, p in enumerate(prompts[20 * wave : 20 * wave + 20])
+            ]
+            arrived = 20 * (wave + 1)
+            await asyncio.to_thread(steps.wait, lambda n=arrived: len(steps.arrived) >= n)
+            for call in range(CALLS_PER_WAVE):  # each call lands after one more step
+                await asyncio.to_thread(steps.step_once)
+                op = rng.randrange(2)
+                if wave == 0 and call == 3:
+                    await aeng.reset()  # aborts whatever runs: those requests finish as "abort"
+                elif op == 0:
+                    await aeng.drop_session(rng.choice("abcd"))
+                else:
+                    await aeng.save_sessions()
+                assert await aeng.call(pool_whole, engine)
+            steps.release()
+            await asyncio.gather(*work)
+            steps.hold()
     reasons = [t.result() for t in work]
-    assert set(reasons) <= {"length", "abort"} and "length" in reasons
-    assert calls >= 10
+    assert set(reasons) == {"length", "abort"}
     await aeng.shutdown()
     assert pool_whole(engine)
 
@@ -113,9 +118,11 @@ async def test_shutdown_past_its_drain_timeout_aborts_on_the_step_thread(engine:
             last = out
         return last.finish_reason if last is not None else None
 
-    work = [asyncio.create_task(one(i)) for i in range(6)]
-    while engine.stats().num_running == 0:
-        await asyncio.sleep(0.005)
-    await aeng.shutdown(drain_timeout=0.05)
+    with engine_steps(engine) as steps:
+        steps.hold()
+        work = [asyncio.create_task(one(i)) for i in range(6)]
+        await asyncio.to_thread(steps.wait, lambda: len(steps.arrived) == 6)
+        await asyncio.to_thread(steps.step_once)  # all six started, none can finish
+        await aeng.shutdown(drain_timeout=0.05)
     assert await asyncio.gather(*work) == ["abort"] * 6
     assert not engine.has_unfinished_requests() and pool_whole(engine)

@@ -129,7 +129,7 @@ async def test_close_flushes_then_refuses(service: QuotaService) -> None:
     await asyncio.sleep(0)  # queued, and the interval is far away
     started = time.monotonic()
     await batcher.close()
-    assert time.monotonic() - started < 1
+    assert time.monotonic() - started < 30  # flushed at once, not after the 60 s interval
     assert all(p.result().allowed for p in pending)
     assert len(waits) == 3 and all(w >= 0 for w in waits)
     await batcher.close()  # twice is fine

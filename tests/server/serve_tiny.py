@@ -1,5 +1,6 @@
 """Run a server on 127.0.0.1 for subprocess tests (kill -9, SIGTERM): `shoal serve` plus the
-settings tests need (a small KV pool, batch concurrency, a shared store and its lease)."""
+settings tests need (a small KV pool, batch concurrency, a shared store and its lease, the
+batch line gate)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ def main() -> None:
     p.add_argument("--batch-concurrency", type=int, default=4)
     p.add_argument("--store", default=None)
     p.add_argument("--batch-lease-s", type=float, default=10.0)
+    p.add_argument("--batch-gate", type=Path, default=None)
     a = p.parse_args()
     engine = EngineConfig(
         model=a.model, num_blocks=a.num_blocks, max_num_seqs=a.max_num_seqs, max_waiting=1024
@@ -31,6 +33,7 @@ def main() -> None:
         batch_concurrency=a.batch_concurrency,
         store=a.store,
         batch_lease_s=a.batch_lease_s,
+        batch_gate=a.batch_gate,
     )
     run_server(config, "127.0.0.1", a.port, log_level="warning")
 

@@ -80,7 +80,7 @@ class SpawnedServer:
         return self.proc.wait(timeout=timeout)
 
 
-def wait_pool_whole(live: LiveServer, timeout: float = 10) -> bool:
+def wait_pool_whole(live: LiveServer, timeout: float = 60) -> bool:
     """Aborts free their blocks on the engine's next step: wait (bounded) for a whole pool."""
     pool = live.state.engine.pool
     deadline = time.monotonic() + timeout

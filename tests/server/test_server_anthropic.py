@@ -13,6 +13,8 @@ import anthropic
 import httpx
 import openai
 import pytest
+from batch_helpers import HeldLines
+from engine_steps import engine_steps
 from server_harness import LiveServer, SpawnedServer
 
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
@@ -179,11 +181,14 @@ def test_message_batch_pages_and_refusals(claude: anthropic.Anthropic, server: L
 
 
 def test_cancel_a_running_message_batch(claude: anthropic.Anthropic, server: LiveServer) -> None:
-    params = {**_ask("tell a story", server.model, 200), "ignore_eos": True}
-    batch = claude.messages.batches.create(
-        requests=[{"custom_id": f"c{i}", "params": params} for i in range(40)]
-    )
-    cancelling = claude.messages.batches.cancel(batch.id)
+    params = {**_ask("tell a story", server.model, 16), "ignore_eos": True}
+    with engine_steps(server.state.engine) as steps:
+        steps.hold()  # nothing finishes before the cancel, on any CPU
+        batch = claude.messages.batches.create(
+            requests=[{"custom_id": f"c{i}", "params": params} for i in range(40)]
+        )
+        steps.wait(lambda: len(steps.ids(priority=1)) > 0)  # lines are in the engine
+        cancelling = claude.messages.batches.cancel(batch.id)
     assert cancelling.processing_status in ("canceling", "ended")
     ended = _wait_ended(claude, batch.id)
     assert ended.request_counts.canceled > 0 and ended.cancel_initiated_at is not None
@@ -195,19 +200,20 @@ def test_message_batch_survives_kill_9(
     spawn_server: Callable[..., SpawnedServer], tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    srv = spawn_server(data)
+    gate = HeldLines(tmp_path / "gate")
+    srv = spawn_server(data, "--batch-gate", str(gate.folder), "--batch-concurrency", "2")
     model = srv.client().models.list().data[0].id
     claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
     params = {**_ask("request", model, 48), "ignore_eos": True}
     n = 16
+    gate.close(let_through=2)  # two results stored, then two answered lines held: kill -9
     batch = claude.messages.batches.create(
         requests=[{"custom_id": f"k{i}", "params": params} for i in range(n)]
     )
-    deadline = time.monotonic() + 60
-    while claude.messages.batches.retrieve(batch.id).request_counts.processing == n:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    gate.wait(lambda held: len(held.get(srv.proc.pid, [])) == 2)
+    assert claude.messages.batches.retrieve(batch.id).request_counts.succeeded == 2
     srv.kill()
+    gate.open()
     srv = spawn_server(data)
     claude = anthropic.Anthropic(base_url=srv.url, api_key="unused", max_retries=0)
     ended = _wait_ended(claude, batch.id)

@@ -4,13 +4,14 @@ each store kind (SQLite in the data dir, PostgreSQL)."""
 from __future__ import annotations
 
 import io
-import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
 from batch_helpers import chat_line, jsonl, read_lines, submit_batch, upload, wait_batch
+from engine_steps import engine_steps
 from server_fixtures import STORES, fresh_store
 from server_harness import LiveServer, wait_pool_whole
 
@@ -256,13 +257,18 @@ def test_cancel(start_on_store: Callable[..., LiveServer]) -> None:
     live = start_on_store(batch_concurrency=2, engine={"max_num_seqs": 2})
     c = live.client()
     lines = [
-        chat_line(f"r{i}", live.model, "count to ten", max_tokens=200, ignore_eos=True)
+        chat_line(f"r{i}", live.model, "count to ten", max_tokens=32, ignore_eos=True)
         for i in range(20)
     ]
-    batch = submit_batch(c, lines)
-    wait_batch(c, batch.id, until=("in_progress",))
-    cancelling = c.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
+    with engine_steps(live.state.engine) as steps:
+        # The engine stops once a line has finished: the cancel lands with the next lines
+        # in the engine, whatever the CPU's speed.
+        steps.hold(when=lambda: len(steps.finished) >= 1)
+        batch = submit_batch(c, lines)
+        steps.wait(lambda: len(steps.finished) >= 1 and len(steps.arrived) >= 3)
+        finished_before = len(steps.finished)
+        cancelling = c.batches.cancel(batch.id)
+        assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
     done = wait_batch(c, batch.id)
     assert done.status == "cancelled" and done.cancelled_at
     out = read_lines(c, done.output_file_id)
@@ -270,7 +276,8 @@ def test_cancel(start_on_store: Callable[..., LiveServer]) -> None:
     assert sorted(x["custom_id"] for x in out + errs) == sorted(f"r{i}" for i in range(20))
     assert any(x["error"] and x["error"]["code"] == "batch_cancelled" for x in errs)
     assert done.request_counts is not None and done.request_counts.completed == len(out)
-    assert wait_pool_whole(live)
+    assert len(out) <= finished_before  # only lines that finished before the cancel
+    assert wait_pool_whole(live)  # the lines in flight were aborted
     with pytest.raises(openai.BadRequestError):
         c.batches.cancel(wait_batch(c, submit_batch(c, lines[:1]).id).id)
 
@@ -279,10 +286,13 @@ def test_expiry(start_on_store: Callable[..., LiveServer]) -> None:
     live = start_on_store(batch_concurrency=1, batch_window_s=1, engine={"max_num_seqs": 1})
     c = live.client()
     lines = [
-        chat_line(f"r{i}", live.model, "count", max_tokens=150, ignore_eos=True) for i in range(30)
+        chat_line(f"r{i}", live.model, "count", max_tokens=16, ignore_eos=True) for i in range(30)
     ]
-    batch = submit_batch(c, lines)
-    done = wait_batch(c, batch.id)
+    with engine_steps(live.state.engine) as steps:
+        # One line finishes, then the engine stops until the window has passed.
+        steps.hold(when=lambda: len(steps.finished) >= 1)
+        batch = submit_batch(c, lines)
+        done = wait_batch(c, batch.id)
     assert done.status == "expired" and done.expired_at
     out = read_lines(c, done.output_file_id)
     errs = read_lines(c, done.error_file_id)
@@ -299,21 +309,25 @@ def test_interactive_overtakes_batch(start_on_store: Callable[..., LiveServer]) 
     live = start_on_store(batch_concurrency=4, engine={"max_num_seqs": 1})
     c = live.client()
     lines = [
-        chat_line(f"r{i}", live.model, "count", max_tokens=160, ignore_eos=True) for i in range(8)
+        chat_line(f"r{i}", live.model, "count", max_tokens=16, ignore_eos=True) for i in range(8)
     ]
-    batch = submit_batch(c, lines)
-    wait_batch(c, batch.id, until=("in_progress",))
-    deadline = time.monotonic() + 30
-    while live.state.engine.stats().num_waiting < 3:  # one running, three queued
-        assert time.monotonic() < deadline
-        time.sleep(0.005)
-    before = live.state.store.result_counts(batch.id)[0]
-    c.chat.completions.create(
-        model=live.model, messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
-    )
-    counts = c.batches.retrieve(batch.id).request_counts
-    # Queued behind, it would wait for the running line and the three queued ones (4 more
-    # results); ahead of them, only the running one finishes first, and at most one more
-    # while the answer travels back to the client.
-    assert counts is not None and counts.completed - before <= 2, (before, counts)
+    with engine_steps(live.state.engine) as steps, ThreadPoolExecutor(1) as pool:
+        steps.hold()
+        batch = submit_batch(c, lines)
+        steps.wait(lambda: len(steps.ids(priority=1)) == 4)
+        steps.step_once()  # one line starts (one sequence at a time), three stay queued
+        asked = pool.submit(
+            c.chat.completions.create,
+            model=live.model,
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=4,
+            temperature=0,
+        )
+        steps.wait(lambda: len(steps.ids(priority=0)) == 1)
+        steps.release()
+        asked.result()
+        steps.wait(lambda: steps.ids(priority=0)[0] in steps.finished)
+        ahead = steps.finished.index(steps.ids(priority=0)[0])
+    # Queued behind, it would have waited for the running line and the three queued ones.
+    assert ahead <= 1, steps.finished
     assert wait_batch(c, batch.id).status == "completed"

@@ -25,7 +25,7 @@ def _aborts(server: LiveServer) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _wait_aborts(server: LiveServer, at_least: float, timeout: float = 10) -> bool:
+def _wait_aborts(server: LiveServer, at_least: float, timeout: float = 60) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if _aborts(server) >= at_least:

@@ -4,6 +4,7 @@ server per data dir, sessions survive restarts, uploads stream to disk, OpenAI-s
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import subprocess
@@ -43,8 +44,9 @@ def test_huge_prompt_is_a_fast_400_and_never_stalls_health(
     messages = [{"role": "user", "content": content}]
     body = json.dumps({"model": model_of(srv.url), "messages": messages}).encode()
 
-    def worst_health_latency() -> float:
-        """Send the big request; poll /health until it is answered; the slowest poll."""
+    def worst_health_latency() -> tuple[float, float]:
+        """Send the big request; poll /health until it is answered: the slowest poll, and
+        how long the big request took."""
         result: dict[str, httpx.Response] = {}
 
         def send() -> None:
@@ -56,6 +58,7 @@ def test_huge_prompt_is_a_fast_400_and_never_stalls_health(
             )
 
         sender = threading.Thread(target=send)
+        began = time.perf_counter()
         sender.start()
         worst = 0.0
         with httpx.Client() as health:
@@ -64,15 +67,19 @@ def test_huge_prompt_is_a_fast_400_and_never_stalls_health(
                 assert health.get(f"{srv.url}/health", timeout=10).status_code == 200
                 worst = max(worst, time.perf_counter() - t)
         sender.join()
+        took = time.perf_counter() - began
         r = result["r"]
         assert r.status_code == 400
         err = r.json()["error"]
         assert err["code"] == "context_length_exceeded" and err["param"] == "messages"
-        return worst
+        return worst, took
 
-    # Best of three: a busy 2-core machine alone can delay one poll; a blocked loop delays all.
-    best = min(worst_health_latency() for _ in range(3))
-    assert best < 0.1, f"/health took {best:.3f} s while the big request was handled"
+    # Best of three: a busy machine alone can delay one poll; a blocked loop delays all. A
+    # loop blocked by the big request holds a poll for a good part of the request's time,
+    # so the bound grows with it on a slower (or busier) machine.
+    worst, took = min(worst_health_latency() for _ in range(3))
+    bound = max(0.1, took / 10)
+    assert worst < bound, f"/health took {worst:.3f} s while the {took:.3f} s request ran"
 
 
 # -- every flag reaches the engine ---------------------------------------------------------
@@ -247,3 +254,5 @@ def test_session_id_length_is_one_rule_for_body_and_header(server: LiveServer) -
     assert r.status_code == 400 and "256" in r.json()["error"]["message"]
     ok = httpx.post(f"{server.url}/v1/completions", json=body, headers={"X-Session-Id": "s" * 256})
     assert ok.status_code == 200
+    # the server is shared: give the session's blocks back for the tests that check the pool
+    assert asyncio.run(server.state.serving.aeng.drop_session("s" * 256))

@@ -1,7 +1,11 @@
 """Several `shoal serve` processes on one store, each with its own data dir, as replicas run:
 a batch created on one runs on all of them with every result written once; kill -9 one
 mid-batch and the others finish it, still once; a cancel on one stops them all; Anthropic
-message batches ride along; ids that cannot exist are 404s, not database errors."""
+message batches ride along; ids that cannot exist are 404s, not database errors.
+
+The replicas share a line gate (`shoal.server.line_gate`): a test that must act while lines
+are claimed and in flight closes it, waits until the replicas hold answered lines at it, acts,
+and opens it, so what it asserts does not depend on how fast the CPU answers."""
 
 from __future__ import annotations
 
@@ -15,13 +19,26 @@ from typing import Any
 import anthropic
 import httpx
 import pytest
-from batch_helpers import chat_line, jsonl, read_lines, submit_batch, upload, wait_batch
+from batch_helpers import (
+    HeldLines,
+    chat_line,
+    jsonl,
+    read_lines,
+    submit_batch,
+    upload,
+    wait_batch,
+)
 from server_fixtures import STORES, fresh_store
 from server_harness import SpawnedServer
 
 LEASE_S = 2.0
 N = 32
-TOKENS = 64  # with one batch request at a time per replica, a batch takes seconds
+TOKENS = 64
+
+
+@pytest.fixture
+def gate(tmp_path: Path) -> HeldLines:
+    return HeldLines(tmp_path / "gate")
 
 
 def shared_store(request: pytest.FixtureRequest, kind: str, tmp_path: Path) -> str:
@@ -33,6 +50,7 @@ def replicas(
     spawn_server: Callable[..., SpawnedServer], tmp_path: Path, store: str, n: int = 2
 ) -> list[SpawnedServer]:
     flags = ["--store", store, "--batch-lease-s", str(LEASE_S), "--batch-concurrency", "1"]
+    flags += ["--batch-gate", str(tmp_path / "gate")]
     return [spawn_server(tmp_path / f"data-{i}", *flags) for i in range(n)]
 
 
@@ -73,17 +91,26 @@ def wait_for(what: Callable[[], bool], timeout: float = 120) -> None:
         time.sleep(0.05)
 
 
+def holding(*servers: SpawnedServer) -> Callable[[dict[int, list[str]]], bool]:
+    """Every one of `servers` holds an answered line at the gate."""
+    return lambda held: all(s.proc.pid in held for s in servers)
+
+
 @pytest.mark.parametrize("store_kind", STORES)
 def test_a_batch_fans_out_over_replicas_and_each_result_lands_once(
     spawn_server: Callable[..., SpawnedServer],
     tmp_path: Path,
     request: pytest.FixtureRequest,
     store_kind: str,
+    gate: HeldLines,
 ) -> None:
+    gate.close()
     a, b = replicas(spawn_server, tmp_path, shared_store(request, store_kind, tmp_path))
     batch_id = start(a)
+    gate.wait(holding(a, b))  # both replicas claimed and answered lines
+    gate.open()
     check_exactly_once(b, batch_id)  # created on A, followed and read on B
-    assert written_by(a) > 0 and written_by(b) > 0  # both replicas ran lines
+    assert written_by(a) > 0 and written_by(b) > 0  # both replicas wrote results
     assert written_by(a) + written_by(b) == N
     out_a = a.client().batches.retrieve(batch_id).output_file_id
     assert (
@@ -105,25 +132,38 @@ def test_a_batch_fans_out_over_replicas_and_each_result_lands_once(
 
 
 def test_kill_9_of_a_replica_mid_batch_loses_nothing_and_duplicates_nothing(
-    spawn_server: Callable[..., SpawnedServer], tmp_path: Path, request: pytest.FixtureRequest
+    spawn_server: Callable[..., SpawnedServer],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    gate: HeldLines,
 ) -> None:
+    gate.close()
     a, b = replicas(spawn_server, tmp_path, shared_store(request, "postgresql", tmp_path))
     batch_id = start(a)
-    wait_for(lambda: written_by(a) >= 2 and written_by(b) >= 2)
-    b.kill()  # with a line claimed and in flight
-    a_before = written_by(a)
-    assert a.client().batches.retrieve(batch_id).status == "in_progress"
+    gate.wait(holding(a, b))
+    (lost,) = gate.by_process()[b.proc.pid]  # B's claimed line, answered, not yet stored
+    b.kill()
+    assert a.client().batches.retrieve(batch_id).status == "in_progress"  # every answer is held
+    gate.open()
     check_exactly_once(a, batch_id)
-    assert written_by(a) > a_before  # the survivor took over, B's claimed lines included
+    assert written_by(a) == N  # the survivor wrote every result, B's claimed line included
+    assert lost in {f"r{i}" for i in range(N)}
 
 
 def test_a_cancel_on_one_replica_stops_the_batch_everywhere(
-    spawn_server: Callable[..., SpawnedServer], tmp_path: Path, request: pytest.FixtureRequest
+    spawn_server: Callable[..., SpawnedServer],
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+    gate: HeldLines,
 ) -> None:
+    gate.close()
     a, b = replicas(spawn_server, tmp_path, shared_store(request, "postgresql", tmp_path))
     batch_id = start(a, n=40)
-    wait_for(lambda: written_by(a) >= 1 and written_by(b) >= 1)
+    gate.wait(holding(a, b))  # both replicas have a line in flight when the cancel lands
     b.client().batches.cancel(batch_id)
+    # Aborting a line releases it from the gate: with the gate still closed, nothing held
+    # means no line of the batch is left running on either replica.
+    gate.wait(lambda held: not held)
     done = wait_batch(a.client(), batch_id, timeout=60)
     assert done.status == "cancelled" and done.cancelled_at
     out = read_lines(a.client(), done.output_file_id)
@@ -132,9 +172,8 @@ def test_a_cancel_on_one_replica_stops_the_batch_everywhere(
     assert sorted(ids) == sorted(f"r{i}" for i in range(40)) and set(ids.values()) == {1}
     assert done.request_counts is not None and done.request_counts.completed == len(out)
     assert any(x["error"] and x["error"]["code"] == "batch_cancelled" for x in errs)
-    written = written_by(a) + written_by(b)
-    time.sleep(1.5)  # nothing runs on after the end, on either replica
-    assert written_by(a) + written_by(b) == written == len(out)
+    gate.open()
+    assert written_by(a) + written_by(b) == len(out)
 
 
 def test_ids_that_cannot_exist_are_404s(
@@ -166,18 +205,23 @@ def test_ids_that_cannot_exist_are_404s(
 
 
 def test_a_store_outage_is_a_503_and_the_batch_ends_once_it_is_back(
-    spawn_server: Callable[..., SpawnedServer], tmp_path: Path, postgres: object
+    spawn_server: Callable[..., SpawnedServer],
+    tmp_path: Path,
+    postgres: object,
+    gate: HeldLines,
 ) -> None:
     from pg_harness import local_postgres  # a PostgreSQL of its own, to stop and start
 
     with local_postgres() as pg:
+        gate.close()
         (srv,) = replicas(spawn_server, tmp_path, pg.new_database(), 1)
         batch_id = start(srv, n=16)
-        wait_for(lambda: written_by(srv) >= 2)
+        gate.wait(holding(srv))  # an answer computed before the outage, not yet stored
         pg.stop()
         r = httpx.get(f"{srv.url}/v1/batches/{batch_id}", timeout=60)
         assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
         assert r.headers["retry-after"]
+        gate.open()  # the held answer meets the outage: it must wait for the store
         time.sleep(LEASE_S)  # longer than the lease: the server's claims lapse meanwhile
         pg.start()
         check_exactly_once(srv, batch_id, n=16)  # answers computed meanwhile were kept

@@ -1,5 +1,9 @@
 """Kill -9 (and SIGTERM) mid-batch, restart on the same data dir: nothing lost, nothing twice
-(on either store kind: the restarted server takes its own claimed lines back at once)."""
+(on either store kind: the restarted server takes its own claimed lines back at once).
+
+"Mid-batch" is made exact with the batch line gate (`shoal.server.line_gate`): a few lines'
+results are stored, the next lines are answered and held in flight, and then the server is
+stopped, on any CPU."""
 
 from __future__ import annotations
 
@@ -12,37 +16,40 @@ from pathlib import Path
 
 import httpx
 import pytest
-from batch_helpers import chat_line, read_lines, submit_batch, wait_batch
+from batch_helpers import HeldLines, chat_line, read_lines, submit_batch, wait_batch
 from server_fixtures import STORES, fresh_store
 from server_harness import SpawnedServer
 
 N = 24
 
 
-def _batch_partway(srv: SpawnedServer) -> tuple[str, int]:
-    """Start a batch of N requests and wait until some are done: (batch id, how many)."""
+PARTWAY = 3  # results stored before the interruption
+CONCURRENCY = 4  # serve_tiny's batch requests in flight at once
+
+
+def _batch_partway(srv: SpawnedServer, gate: HeldLines) -> tuple[str, int]:
+    """Start a batch of N requests and stop it partway: PARTWAY results stored, a line in
+    every batch slot answered and held at the gate. (batch id, how many are stored)."""
     c = srv.client()
     model = c.models.list().data[0].id
     lines = [
         chat_line(f"r{i}", model, f"request number {i}", max_tokens=48, ignore_eos=True)
         for i in range(N)
     ]
+    gate.close(let_through=PARTWAY)
     batch_id = str(submit_batch(c, lines).id)
-    return batch_id, _wait_partial(srv, batch_id)
-
-
-def _wait_partial(srv: SpawnedServer, batch_id: str, timeout: float = 120) -> int:
-    """Wait until some but not all requests are done; return how many."""
-    c = srv.client()
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        b = c.batches.retrieve(batch_id)
-        done = b.request_counts.completed if b.request_counts else 0
-        if done >= 3:
-            assert done < N, f"the batch finished before the interruption: {b}"
-            return done
+    gate.wait(lambda held: len(held.get(srv.proc.pid, [])) == CONCURRENCY)
+    deadline = time.monotonic() + 60
+    while (done := _completed(srv, batch_id)) < PARTWAY:
+        assert time.monotonic() < deadline, f"only {done} results were stored"
         time.sleep(0.02)
-    raise AssertionError("the batch made no progress")
+    assert done == PARTWAY
+    return batch_id, done
+
+
+def _completed(srv: SpawnedServer, batch_id: str) -> int:
+    counts = srv.client().batches.retrieve(batch_id).request_counts
+    return counts.completed if counts else 0
 
 
 def _check_complete(srv: SpawnedServer, batch_id: str) -> None:
@@ -71,9 +78,11 @@ def test_kill_and_restart_mid_batch(
     data = tmp_path / "data"
     url = fresh_store(request, store_kind)
     store = ["--store", url] if url else []
-    srv = spawn_server(data, *store)
-    batch_id, before = _batch_partway(srv)
+    gate = HeldLines(tmp_path / "gate")
+    srv = spawn_server(data, *store, "--batch-gate", str(gate.folder))
+    batch_id, before = _batch_partway(srv, gate)
     srv.kill()
+    gate.open()
     srv2 = spawn_server(data, *store)
     b = srv2.client().batches.retrieve(batch_id)
     assert b.request_counts is not None and b.request_counts.completed >= before
@@ -84,11 +93,14 @@ def test_sigterm_checkpoints_and_resumes(
     spawn_server: Callable[..., SpawnedServer], tmp_path: Path
 ) -> None:
     data = tmp_path / "data"
-    srv = spawn_server(data)
-    batch_id, _ = _batch_partway(srv)
+    gate = HeldLines(tmp_path / "gate")
+    srv = spawn_server(data, "--batch-gate", str(gate.folder))
+    batch_id, _ = _batch_partway(srv, gate)
+    # The held lines outlast the grace period: the shutdown aborts them and hands them back.
     # uvicorn re-raises the signal after a clean shutdown, so -SIGTERM is a clean exit too.
     assert srv.terminate() in (0, -15)
     assert "Traceback" not in srv.log.read_text()
+    gate.open()
     srv2 = spawn_server(data)
     _check_complete(srv2, batch_id)
 
