@@ -34,7 +34,20 @@ postgresql:
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql; }
 
-test: install redis-server postgresql
+# The Codex CLI test runs the real `codex` (npm's @openai/codex ships its binary), installed
+# into .tools/codex; Node and npm come from Debian if missing. Where npm cannot install it, the
+# test says so and skips.
+CODEX_VERSION ?= 0.171.0
+codex:
+	@command -v npm >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		$$SUDO apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nodejs npm; } || true
+	@[ -x .tools/codex/node_modules/.bin/codex ] || \
+		npm install -q --prefix .tools/codex @openai/codex@$(CODEX_VERSION) || \
+		echo "codex: npm could not install @openai/codex; its test will skip"
+
+test: install redis-server postgresql codex
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -48,4 +61,4 @@ test-stress: install redis-server postgresql
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test test-stress bench redis-server postgresql
+.PHONY: install run test test-stress bench redis-server postgresql codex

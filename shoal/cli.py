@@ -158,6 +158,10 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
     if args.batch_lease_s <= 0:
         print("shoal serve: --batch-lease-s must be positive", file=sys.stderr)
         return None
+    if args.responses_keep < 1 or args.responses_max_age_days <= 0:
+        print("shoal serve: --responses-keep and --responses-max-age-days must be positive",
+              file=sys.stderr)  # fmt: skip
+        return None
     return ServerConfig(
         engine=engine_config(
             args, max_waiting=args.max_waiting, session_tier_dir=args.session_tier
@@ -175,6 +179,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
             chars=args.max_schema_chars,
             large_enum_chars=args.max_schema_large_enum_chars,
         ),
+        responses_keep=args.responses_keep,
+        responses_max_age_s=args.responses_max_age_days * 86400.0,
     )
 
 
@@ -218,6 +224,18 @@ def _server_arguments(serve: argparse.ArgumentParser) -> None:
         type=float,
         default=10.0,
         help="a dead server's batch lines go to the others after this many seconds",
+    )
+    serve.add_argument(
+        "--responses-keep",
+        type=int,
+        default=100_000,
+        help="stored /v1/responses objects kept at most (the oldest go first)",
+    )
+    serve.add_argument(
+        "--responses-max-age-days",
+        type=float,
+        default=30.0,
+        help="stored /v1/responses objects are dropped after this many days",
     )
     serve.add_argument(
         "--session-tier",

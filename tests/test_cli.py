@@ -46,6 +46,17 @@ def test_bad_option_values_are_usage_errors(capsys):
     assert e.value.code == 2
 
 
+def test_stored_responses_bounds_reach_the_server_config(monkeypatch, capsys):
+    import shoal.server.app
+
+    seen = []
+    monkeypatch.setattr(shoal.server.app, "run_server", lambda config, *a, **k: seen.append(config))
+    assert main(["serve", "--responses-keep", "10", "--responses-max-age-days", "0.5"]) == 0
+    assert (seen[0].responses_keep, seen[0].responses_max_age_s) == (10, 43200.0)
+    assert main(["serve", "--responses-keep", "0"]) == 2
+    assert "--responses-keep" in capsys.readouterr().err
+
+
 def test_generate_without_prompts_exits_2_before_loading(monkeypatch, capsys):
     monkeypatch.setattr(shoal.llm, "LLM", NoModel)
     assert main(["generate"]) == 2

@@ -28,7 +28,7 @@ from starlette.responses import Response, StreamingResponse
 from shoal.cluster import metrics
 from shoal.cluster.asgi import Forwarded, ResponseHead
 from shoal.cluster.replica import REPLICA_HEADER
-from shoal.cluster.routing import HOMES, STATS, Route, route_for
+from shoal.cluster.routing import HOMES, SESSION_HEADER, STATS, Route, route_for
 from shoal.server.errors import APIError, error_response
 
 log = logging.getLogger("shoal.cluster")
@@ -66,10 +66,15 @@ class Ingress:
             except StopAsyncIteration:
                 break
             assert isinstance(head, ResponseHead)
-            replica = dict(head.headers).get(REPLICA_HEADER.encode(), b"").decode()
+            answer_headers = dict(head.headers)
+            replica = answer_headers.get(REPLICA_HEADER.encode(), b"").decode()
             STATS.routed(route, replica)
-            if route.session_id is not None and replica:
-                HOMES.settle(route.session_id, replica)  # a moved turn's KV is there now
+            # A moved turn's KV is there now; a new response chain (its id in the answer's
+            # X-Session-Id) lives where its first response was answered.
+            named = answer_headers.get(SESSION_HEADER.encode(), b"").decode() or None
+            for session_id in {route.session_id, named} - {None}:
+                if replica:
+                    HOMES.settle(str(session_id), replica)
             response = StreamingResponse(_body(stream), status_code=head.status)
             response.raw_headers = head.headers
             return response

@@ -19,9 +19,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.server.ids import chain_of
+
 SESSION_HEADER = "x-session-id"
 BATCH_API = ("/v1/files", "/v1/batches", "/v1/messages/batches")
 GENERATION_API = ("/v1/completions", "/v1/chat/completions", "/v1/messages")
+RESPONSES_API = "/v1/responses"
 PREFIX_CHARS = 512  # of the prompt's text: enough to tell system prompts apart
 BATCH_KEY = "shoal:batch-api"  # one home for the Files and Batch APIs (a replica's own store)
 
@@ -50,6 +53,8 @@ def route_for(
     """
     if path.startswith(BATCH_API):
         return Route() if shared_store else Route(affinity=BATCH_KEY)
+    if path == RESPONSES_API or path.startswith(RESPONSES_API + "/"):
+        return _response_route(path, body)
     session_id = headers.get(SESSION_HEADER) or None
     if method != "POST" or path not in GENERATION_API or session_id:
         return Route(session_id=session_id)
@@ -62,6 +67,34 @@ def route_for(
     if isinstance(data.get("session_id"), str) and data["session_id"]:
         return Route(session_id=data["session_id"])
     prefix = prompt_prefix(data)
+    return Route(affinity=prefix) if prefix else Route()
+
+
+def _response_route(path: str, body: bytes) -> Route:
+    """A response chain is a session named by its first response's id, which every later id
+    in the chain starts with: `/v1/responses/{id}...` goes to the chain's home, and so does a
+    new response continuing it (`previous_response_id`). A new chain goes by its
+    `prompt_cache_key`, else its prompt's prefix; the answer's `X-Session-Id` then names the
+    chain, and the ingress records where it went."""
+    rest = path.removeprefix(RESPONSES_API + "/").split("/")[0]
+    if path != RESPONSES_API and rest != "input_tokens":
+        return Route(session_id=chain_of(rest))
+    try:
+        data = json.loads(body) if body else None
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        return Route()
+    previous = data.get("previous_response_id")
+    chain = chain_of(previous) if isinstance(previous, str) else None
+    if chain is not None:
+        return Route(session_id=chain)
+    key = data.get("prompt_cache_key")
+    if isinstance(key, str) and key:
+        return Route(affinity=key)
+    items = data.get("input")
+    shaped = {"messages": items} if isinstance(items, list) else {"prompt": items or ""}
+    prefix = prompt_prefix({"system": data.get("instructions") or "", **shaped})
     return Route(affinity=prefix) if prefix else Route()
 
 

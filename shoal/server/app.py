@@ -39,6 +39,8 @@ from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
 from shoal.server.quota import QuotaGate
 from shoal.server.replica import replica_id
+from shoal.server.responses import routes as responses_routes
+from shoal.server.responses.service import Responses
 from shoal.server.serving import Serving
 from shoal.server.state import ServerConfig, ServerState
 from shoal.server.store import Store, StoreError, open_store
@@ -78,18 +80,24 @@ def create_app(
         serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()), config.schema_limits)
         if gate is not None:  # the quota's counters and usage join the server's /metrics
             gate.service.metrics = QuotaMetrics(gate.service, serving.metrics.registry)
+        replica = replica_id(config.data_dir)
+        responses = Responses(
+            serving, db, replica, config.responses_keep, config.responses_max_age_s
+        )
         runner = BatchRunner(
             db,
             serving,
             concurrency=config.batch_concurrency or 2 * eng.config.max_num_seqs,
             max_lines=config.max_batch_lines,
             priority=config.batch_priority,
-            replica=replica_id(config.data_dir),
+            replica=replica,
             lease_s=config.batch_lease_s,
+            responses=responses,
             gate=LineGate(config.batch_gate) if config.batch_gate else None,
         )
-        state = ServerState(config, serving, db, runner, gate)
+        state = ServerState(config, serving, db, runner, gate, responses=responses)
         app.state.shoal = state
+        await responses.start()
         runner.start()
         saver = asyncio.create_task(_save_sessions_when_idle(aeng, config.session_save_s))
         log.info("shoal serving %s", state.model_name)
@@ -101,6 +109,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await saver
             await runner.stop(config.batch_grace_s)
+            await responses.close()
             await aeng.shutdown(config.drain_timeout_s)
             eng.save_sessions()
             db.close()
@@ -112,11 +121,12 @@ def create_app(
         title="shoal",
         version="0.1.0",
         lifespan=lifespan,
-        description="OpenAI-compatible completions, chat and Batch API; Anthropic Messages and "
-        "Message Batches.",
+        description="OpenAI-compatible completions, chat, Responses and Batch API; Anthropic "
+        "Messages and Message Batches.",
     )
     install_handlers(app)
     app.include_router(routes.router)
+    app.include_router(responses_routes.router)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(anthropic_messages.router)

@@ -22,15 +22,15 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 
 from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_output import output_files, result_line
-from shoal.server.errors import error_body, to_api_error
+from shoal.server.errors import APIError, error_body, to_api_error
 from shoal.server.formatting import batch_usage
-from shoal.server.jsonl import MESSAGES, BatchLine, parse_batch_file
+from shoal.server.jsonl import MESSAGES, RESPONSES, BatchLine, parse_batch_file
 from shoal.server.line_gate import LineGate
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
 from shoal.server.replica import Heartbeat
@@ -43,6 +43,9 @@ from shoal.server.store import (
     Store,
     StoreError,
 )
+
+if TYPE_CHECKING:
+    from shoal.server.responses.service import Responses
 
 __all__ = ["ACTIVE", "TERMINAL", "BatchRunner", "BatchStatus", "LineResult", "execute_line"]
 
@@ -59,12 +62,23 @@ class LineResult:
 
 
 async def execute_line(
-    serving: Serving, endpoint: str, body: dict[str, Any], priority: int
+    serving: Serving,
+    endpoint: str,
+    body: dict[str, Any],
+    priority: int,
+    responses: Responses | None = None,
 ) -> LineResult:
-    """One batch request, answered as the HTTP route would answer it."""
+    """One batch request, answered as the HTTP route would answer it (`/v1/responses` lines
+    through `responses`: they read and store responses)."""
     if endpoint == MESSAGES:
         return LineResult(*await anthropic_messages.run_line(serving, body, priority))
     try:
+        if endpoint == RESPONSES:
+            if responses is None:
+                raise APIError(400, "this server does not run /v1/responses lines")
+            answer = await responses.run_line(body, priority)
+            used = answer["usage"]
+            return LineResult(200, answer, used["input_tokens"], used["output_tokens"])
         if endpoint == "/v1/chat/completions":
             req: Any = ChatCompletionRequest.model_validate(body)
             prep = await prepare_chat(serving, req, priority=priority)
@@ -97,6 +111,7 @@ class BatchRunner:
         lease_s: float = 10.0,
         poll_s: float = 0.2,
         watch_s: float = 1.0,
+        responses: Responses | None = None,
         gate: LineGate | None = None,
     ) -> None:
         """`poll_s`: how often a batch waiting for room looks again; `watch_s`: how often
@@ -104,6 +119,7 @@ class BatchRunner:
         test hook that holds answered lines before their results are stored."""
         self.store = store
         self.serving = serving
+        self.responses = responses
         self.max_lines = max_lines
         self.priority = priority
         self.replica = replica
@@ -332,7 +348,7 @@ class BatchRunner:
 
     async def _one(self, batch_id: str, ln: BatchLine) -> None:
         while True:
-            r = await execute_line(self.serving, ln.url, ln.body, self.priority)
+            r = await execute_line(self.serving, ln.url, ln.body, self.priority, self.responses)
             if r.status == 429:  # the engine queue is full: wait, do not fail the request
                 await asyncio.sleep(0.5)
                 continue

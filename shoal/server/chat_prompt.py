@@ -10,6 +10,8 @@ prompt. Runs in a worker thread: templating and tokenizing can take a while.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from shoal.engine.protocol import EngineProtocol
@@ -74,6 +76,36 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return messages
 
 
+def template_input(
+    engine: EngineProtocol, req: ChatCompletionRequest, plan: ToolPlan | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """(messages, tools) as the chat template takes them (raises APIError)."""
+    messages = template_messages(req)
+    tools: list[dict[str, Any]] | None = None
+    if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+        template = getattr(engine.tokenizer, "chat_template", None)
+        dialect, native = (plan.dialect, plan.native) if plan else dialect_for(template)
+        messages, tools = render(messages, list(plan.tools) if plan else [], dialect, native)
+    return messages, tools
+
+
+@contextmanager
+def template_errors() -> Iterator[None]:
+    """Templating and tokenizing errors as the 400s a client can act on."""
+    try:
+        yield
+    except PromptTooLongError as e:
+        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
+    except InvalidRequestError as e:  # no tokenizer or no chat template
+        raise APIError(400, f"{e}: use /v1/completions") from e
+    except APIError:
+        raise
+    except Exception as e:  # the template itself rejected the conversation
+        raise APIError(
+            400, f"the chat template rejected the messages: {e}", param="messages"
+        ) from e
+
+
 def chat_prompt(
     engine: EngineProtocol,
     req: ChatCompletionRequest,
@@ -82,19 +114,6 @@ def chat_prompt(
     check_length: bool = True,
 ) -> list[int]:
     """The prompt's ids; `check_length=False` takes one of any length (to count it)."""
-    messages = template_messages(req)
-    tools: list[dict[str, Any]] | None = None
-    if plan is not None or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
-        template = getattr(engine.tokenizer, "chat_template", None)
-        dialect, native = (plan.dialect, plan.native) if plan else dialect_for(template)
-        messages, tools = render(messages, list(plan.tools) if plan else [], dialect, native)
-    try:
+    messages, tools = template_input(engine, req, plan)
+    with template_errors():
         return engine.apply_chat_template(messages, tools, check_length=check_length)
-    except PromptTooLongError as e:
-        raise APIError(400, str(e), param="messages", code="context_length_exceeded") from e
-    except InvalidRequestError as e:  # no tokenizer or no chat template
-        raise APIError(400, f"{e}: use /v1/completions") from e
-    except Exception as e:  # the template itself rejected the conversation
-        raise APIError(
-            400, f"the chat template rejected the messages: {e}", param="messages"
-        ) from e

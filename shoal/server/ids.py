@@ -1,6 +1,8 @@
 """Every id the server hands out, made one way: a prefix and 24 random hex digits.
 
-Ids are opaque: nothing parses them back, so their format can change freely.
+Ids are opaque to clients. One is read back by shoal itself: a response id starts with its
+chain's id (the chain's first response's), so the chain, an engine session, can be routed to
+the replica holding it from any of its ids.
 """
 
 from __future__ import annotations
@@ -26,3 +28,19 @@ def storable(value: object) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+RESPONSE_PREFIX = "resp_"
+CHAIN_ID_LEN = len(RESPONSE_PREFIX) + 24
+
+
+def new_response_id(chain: str | None) -> str:
+    """A new response's id: the first of a new chain (None), or one more in `chain`."""
+    return new_id(chain or RESPONSE_PREFIX)
+
+
+def chain_of(response_id: str) -> str | None:
+    """The chain a response id belongs to (None: not a response id shoal made)."""
+    if not response_id.startswith(RESPONSE_PREFIX) or len(response_id) < CHAIN_ID_LEN:
+        return None
+    return response_id[:CHAIN_ID_LEN]

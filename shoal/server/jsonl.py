@@ -15,7 +15,9 @@ from typing import Any, BinaryIO
 
 from shoal.server.ids import MAX_ID, storable
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")  # what /v1/batches accepts
+# What /v1/batches accepts.
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"  # Anthropic Message Batches, run by the same runner
 RUNNABLE = (*ENDPOINTS, MESSAGES)
 CHUNK = 1 << 20

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -29,6 +29,7 @@ from shoal.server.schema_check import SchemaLimits, SchemaRefusal
 from shoal.server.structured import ToolPlan, compiled, plan_answer
 
 Prompt = str | list[int]
+PromptBuilder = Callable[[EngineProtocol, ChatCompletionRequest, ToolPlan | None], list[int]]
 
 
 @dataclass(slots=True)
@@ -159,8 +160,11 @@ async def prepare_chat(
     priority: int = 0,
     session_id: str | None = None,
     tool_schema_at: str = "tools.{}.function.parameters",
+    prompt: PromptBuilder = chat_prompt,
 ) -> Prepared:
-    """`tool_schema_at` names a tool's schema in errors, in the request's own API."""
+    """`tool_schema_at` names a tool's schema in errors, in the request's own API; `prompt`
+    turns the messages into prompt ids (the Responses API continues a chain's tokens through
+    its own)."""
     _check_common(srv, req)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
@@ -168,7 +172,7 @@ async def prepare_chat(
     try:
         plan, structured = plan_answer(req, template, srv.schema_limits, tool_schema_at)
         # templating and tokenizing can take a while: off the loop
-        ids = await asyncio.to_thread(chat_prompt, srv.engine, req, plan)
+        ids = await asyncio.to_thread(prompt, srv.engine, req, plan)
         grammar = None if structured is None else await compiled(srv.engine, structured, plan)
     except SchemaRefusal as e:
         srv.metrics.schema_refusals.labels(reason=e.reason).inc()

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from shoal.engine.protocol import EngineProtocol
     from shoal.server.batch_runner import BatchRunner
     from shoal.server.quota import QuotaGate
+    from shoal.server.responses.service import Responses
     from shoal.server.serving import Serving
 
 MiB = 1 << 20
@@ -46,6 +47,8 @@ class ServerConfig:
     quota_config: Path | None = None  # `--quota`: a limits file with a [serve] budget
     store: str | None = None  # `--store`: a path, sqlite:///... or postgresql://...
     batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
+    responses_keep: int = 100_000  # stored responses kept at most (the oldest go first)
+    responses_max_age_s: float = 30 * 86400.0  # and for at most this long
     batch_gate: Path | None = None  # a test hook: see `server.line_gate`
     schema_limits: SchemaLimits = field(default_factory=SchemaLimits)  # `--max-schema-*`
 
@@ -75,6 +78,7 @@ class ServerState:
     runner: BatchRunner
     quota: QuotaGate | None = None
     shutting_down: bool = False
+    responses: Responses | None = None
 
     @property
     def engine(self) -> EngineProtocol:

@@ -13,6 +13,7 @@ import pytest
 from batchify_helpers import batch_ids, chat_kw
 from engine_steps import engine_steps
 from openai.types.chat import ChatCompletion
+from openai.types.responses import Response
 from server_harness import LiveServer
 
 from shoal.batchify import BatchExpiredError, BatchifyClosedError, batchify
@@ -38,6 +39,29 @@ async def test_calls_become_ceil_n_over_batch_size_batches(
         assert g.usage and d.usage and g.usage.prompt_tokens == d.usage.prompt_tokens
     # Files + batches + polls + result files: far fewer requests than calls.
     assert b.provider_requests < 4 * len(new) + 20
+
+
+async def test_responses_create_calls_become_one_job(
+    server: LiveServer, aclient: openai.AsyncOpenAI, scope_kw: dict[str, Any]
+) -> None:
+    def kw(i: int) -> dict[str, Any]:
+        return {
+            "model": server.model,
+            "input": f"Hello world {i}",
+            "temperature": 0,
+            "max_output_tokens": 4,
+        }
+
+    direct = [await aclient.responses.create(**kw(i)) for i in range(12)]
+    before = set(batch_ids(server.url))
+    async with batchify(**scope_kw) as b:
+        got = await asyncio.gather(*(aclient.responses.create(**kw(i)) for i in range(12)))
+    (batch_id,) = set(batch_ids(server.url)) - before
+    assert b.stats.batches == 1 and b.stats.calls == 12
+    assert httpx.get(f"{server.url}/v1/batches/{batch_id}").json()["endpoint"] == "/v1/responses"
+    for d, g in zip(direct, got, strict=True):
+        assert isinstance(g, Response) and g.output_text == d.output_text
+        assert g.usage and d.usage and g.usage.input_tokens == d.usage.input_tokens
 
 
 async def test_parameters_round_trip_unchanged(
@@ -130,7 +154,9 @@ async def test_dry_run_touches_nothing(
             **chat_kw(server.model, "Hello")
         )
         emb = await aclient.embeddings.create(model=server.model, input=["a", "b"])
+        answer = await aclient.responses.create(model=server.model, input="Hello")
     assert raw.headers["x-shoal-dry-run"] == "1"
+    assert isinstance(answer, Response) and answer.output_text == "" and answer.usage
     parsed = raw.parse()
     assert isinstance(parsed, ChatCompletion) and parsed.model == server.model
     assert len(emb.data) == 2

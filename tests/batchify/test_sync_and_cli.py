@@ -31,6 +31,18 @@ def test_sync_client_in_the_scope_thread(server: LiveServer, scope_kw: dict[str,
     assert b.stats.batches == 1 and len(set(batch_ids(server.url)) - before) == 1
 
 
+def test_sync_responses_create_in_the_scope_thread(
+    server: LiveServer, scope_kw: dict[str, Any]
+) -> None:
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0)
+    kw = {"model": server.model, "input": "sync", "temperature": 0, "max_output_tokens": 4}
+    direct = client.responses.create(**kw)
+    with batchify(**scope_kw) as b:
+        got = client.responses.create(**kw)
+    assert got.output_text == direct.output_text and got.object == "response"
+    assert b.stats.batches == 1 and b.stats.calls == 1
+
+
 def test_cli_runs_an_unmodified_threaded_sync_script(server: LiveServer, tmp_path: Path) -> None:
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="k1", max_retries=0)
     direct = [

@@ -175,6 +175,28 @@ def test_a_killed_replicas_sessions_continue_restored_from_the_tier(cluster: Clu
     no_cache_outputs(cluster, convs, tokens)
 
 
+def test_a_response_chain_stays_on_its_replica(cluster: Cluster) -> None:
+    """A chain's first answer names it (X-Session-Id); its later turns, routed by the id they
+    continue, land where its KV is and reuse it."""
+    client = sdk(cluster)
+    for i in range(SESSIONS):
+        replicas, cached, previous = [], [], {}
+        for t in range(3):
+            raw = client.responses.with_raw_response.create(
+                model=cluster.model,
+                input=f"chain {i}, turn {t}: go on",
+                temperature=0,
+                max_output_tokens=MAX_TOKENS,
+                **previous,
+            )
+            r = raw.parse()
+            assert r.usage is not None
+            replicas.append(raw.headers["x-shoal-replica"])
+            cached.append(r.usage.input_tokens_details.cached_tokens)
+            previous = {"previous_response_id": r.id}
+        assert len(set(replicas)) == 1 and all(c > 0 for c in cached[1:]), (replicas, cached)
+
+
 def test_same_routes_errors_and_streaming_as_shoal_serve(cluster: Cluster) -> None:
     client = sdk(cluster)
     chunks = client.chat.completions.create(

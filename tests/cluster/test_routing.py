@@ -41,6 +41,30 @@ def test_a_request_routes_by_its_session_then_its_prompt() -> None:
     assert route_for("POST", "/v1/chat/completions", {}, b"{not json") == Route()
 
 
+def test_a_response_chain_routes_by_its_first_response_id() -> None:
+    """Every id in a chain starts with the chain's first id, the chain's session: its GETs,
+    cancels and continuations all go to the replica holding its KV."""
+    chain = "resp_" + "a" * 24
+    later = chain + "b" * 24
+    body = json.dumps({"input": "hi", "previous_response_id": later}).encode()
+    assert route_for("POST", "/v1/responses", {}, body) == Route(session_id=chain)
+    for method, path in (
+        ("GET", f"/v1/responses/{later}"),
+        ("DELETE", f"/v1/responses/{chain}"),
+        ("POST", f"/v1/responses/{later}/cancel"),
+        ("GET", f"/v1/responses/{later}/input_items"),
+    ):
+        assert route_for(method, path, {}, b"") == Route(session_id=chain)
+    keyed = json.dumps({"input": "hi", "prompt_cache_key": "thread-7"}).encode()
+    assert route_for("POST", "/v1/responses", {}, keyed) == Route(affinity="thread-7")
+    items = [{"role": "user", "content": [{"type": "input_text", "text": "x"}]}]
+    first = json.dumps({"instructions": "Be terse.", "input": items}).encode()
+    assert route_for("POST", "/v1/responses", {}, first) == Route(affinity="Be terse.\nx")
+    counted = json.dumps({"input": "y", "previous_response_id": chain}).encode()
+    assert route_for("POST", "/v1/responses/input_tokens", {}, counted) == Route(session_id=chain)
+    assert route_for("GET", "/v1/responses/resp_short", {}, b"") == Route()
+
+
 def test_rendezvous_moves_only_the_keys_of_a_replica_that_leaves() -> None:
     replicas = ["a", "b", "c"]
     keys = [f"session-{i}" for i in range(300)]

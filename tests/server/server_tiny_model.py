@@ -1,4 +1,5 @@
-"""A tiny random Llama with a real byte-level BPE tokenizer and a chat template, for fast tests."""
+"""Tiny random Llamas for fast tests: one with a real byte-level BPE tokenizer and a chat
+template, and one speaking SmolLM2's tokenizer whose every answer ends at once."""
 
 from __future__ import annotations
 
@@ -57,4 +58,47 @@ def build_tiny_model(path: Path, max_positions: int = 512) -> Path:
         initializer_range=0.2,  # peaky logits: greedy picks are robust to batching noise
     )
     LlamaForCausalLM(config).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def build_terse_smollm2_model(path: Path, max_positions: int = 32768) -> Path:
+    """A tiny Llama with SmolLM2's tokenizer and chat template (from the bundled GGUF, read
+    locally) that answers every prompt with its end-of-turn token at once, even when
+    sampling: for clients whose prompts pass SmolLM2's 8,192 tokens (Codex CLI's is ~11k)
+    and who need their turn to end (they take a cut-off answer as a failure). Attention and
+    MLP outputs are zero and every token embeds alike, so the last hidden state is the same
+    for every prompt, and only the end-of-turn token's logit is not zero. Idempotent."""
+    if (path / "config.json").exists() and (path / "tokenizer.json").exists():
+        return path
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from shoal.models.files import bundled_model_path, gguf_metadata
+
+    _, tok, _ = gguf_metadata(bundled_model_path())
+    path.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(path)
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+        eos_token_id=tok.eos_token_id,
+        bos_token_id=tok.bos_token_id,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        same = torch.randn(config.hidden_size)
+        model.model.embed_tokens.weight.copy_(same.expand_as(model.model.embed_tokens.weight))
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[tok.eos_token_id] = 40 * same / same.norm()
+    model.save_pretrained(path, safe_serialization=True)
     return path

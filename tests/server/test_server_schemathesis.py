@@ -11,7 +11,7 @@ from schemathesis import GenerationMode
 from server_harness import LiveServer
 
 EXAMPLES = 10
-CAP = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "best_of": 2}
+CAP = {"max_tokens": 4, "max_completion_tokens": 4, "max_output_tokens": 4, "n": 2, "best_of": 2}
 
 
 def _clamp(body: Any, model: str) -> None:

@@ -19,8 +19,9 @@ LINE_OVERHEAD = 160
 def to_call(request: Any) -> Call | None:
     """The `Call` for an `httpx`/`httpx2` request that has a batch equivalent, else None.
 
-    Only a JSON object body that is fully in memory qualifies; `stream: true`, multipart,
-    query strings (the batch calls could not carry them) and other paths pass through.
+    Only a JSON object body that is fully in memory qualifies; `stream: true`, a background
+    response, multipart, query strings (the batch calls could not carry them) and other
+    paths pass through.
     """
     url = request.url
     if url.query or not request.headers.get("content-type", "").startswith("application/json"):
@@ -36,7 +37,7 @@ def to_call(request: Any) -> Call | None:
         body = json.loads(content)
     except Exception:  # a streamed body (not read) or not JSON: not ours to batch
         return None
-    if not isinstance(body, dict) or body.get("stream"):
+    if not isinstance(body, dict) or body.get("stream") or body.get("background"):
         return None
     target = Target(
         adapter.name, route.base_url, route.endpoint, adapter.account_headers(request.headers)

@@ -28,7 +28,7 @@ from shoal.batchify.provider import ProviderHTTP
 TAG_KEY = "shoal_batchify_key"
 TERMINAL = ("completed", "failed", "expired", "cancelled")
 # Longest suffix first: "/chat/completions" also ends with "/completions".
-_SUFFIXES = ("/chat/completions", "/completions", "/embeddings")
+_SUFFIXES = ("/chat/completions", "/completions", "/embeddings", "/responses")
 _ACCOUNT = ("authorization", "openai-organization", "openai-project")
 _NOT_RUN: dict[str, type[BatchifyError]] = {
     "batch_expired": BatchExpiredError,
@@ -141,6 +141,8 @@ class OpenAIAdapter:
                 ],
                 "usage": {"prompt_tokens": 0, "total_tokens": 0},
             }
+        if endpoint.endswith("/responses"):
+            return _dry_run_response(f"dryrun-{custom_id}", model, now)
         if endpoint.endswith("/chat/completions"):
             choice: dict[str, Any] = {"message": {"role": "assistant", "content": ""}}
             obj = "chat.completion"
@@ -155,6 +157,37 @@ class OpenAIAdapter:
             "choices": [choice],
             "usage": usage,
         }
+
+
+def _dry_run_response(response_id: str, model: Any, now: int) -> dict[str, Any]:
+    """An empty, completed Responses API object."""
+    text = {"type": "output_text", "text": "", "annotations": []}
+    message = {
+        "id": f"msg_{response_id}",
+        "type": "message",
+        "role": "assistant",
+        "status": "completed",
+        "content": [text],
+    }
+    usage = {
+        "input_tokens": 0,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 0,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 0,
+    }
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": now,
+        "status": "completed",
+        "model": model,
+        "output": [message],
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": usage,
+    }
 
 
 def _outcome(line: dict[str, Any], batch_id: str) -> Outcome | BatchifyError:

@@ -1,4 +1,5 @@
-"""The Files + Batch API state, written once in SQL that SQLite and PostgreSQL both run.
+"""The Files + Batch API state, written once in SQL that SQLite and PostgreSQL both run
+(stored Responses API objects too: `responses.py`).
 
 `Store` holds files (metadata here, bytes in `blobs`) and batches (the API object as JSON
 text, its status in a column of its own); a batch's lines, their claims and results come from
@@ -29,6 +30,7 @@ from typing import Any, Protocol
 from shoal.errors import ShoalError
 from shoal.server.ids import new_id, storable
 from shoal.server.store.claims import LineTables
+from shoal.server.store.responses import ResponseTables
 from shoal.server.store.sql import Tx, marks
 from shoal.server.store.status import CLOSING
 
@@ -75,7 +77,7 @@ def _file_obj(row: Sequence[Any]) -> dict[str, Any]:
     }
 
 
-class Store(LineTables):
+class Store(LineTables, ResponseTables):
     name: str  # "sqlite" or "postgresql"
     url: str  # where it is, safe to log (no password)
     blobs: Blobs

@@ -66,6 +66,20 @@ CREATE TABLE IF NOT EXISTS lines (
 CREATE INDEX IF NOT EXISTS lines_todo ON lines (batch_id, line) WHERE done = 0;
 CREATE INDEX IF NOT EXISTS lines_owned ON lines (owner) WHERE done = 0;
 CREATE TABLE IF NOT EXISTS replicas (id TEXT PRIMARY KEY, expires_at DOUBLE PRECISION NOT NULL);
+CREATE TABLE IF NOT EXISTS responses (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    id TEXT UNIQUE NOT NULL,
+    chain TEXT NOT NULL,
+    created_at BIGINT NOT NULL,
+    status TEXT NOT NULL,
+    owner TEXT,
+    obj TEXT NOT NULL,
+    items TEXT NOT NULL,
+    turn TEXT,
+    events TEXT
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
+CREATE INDEX IF NOT EXISTS responses_chain ON responses (chain);
 """
 _SCHEMA_LOCK = 0x5_40A1  # an advisory lock: replicas starting together create tables in turn
 

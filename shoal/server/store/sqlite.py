@@ -56,6 +56,20 @@ CREATE INDEX IF NOT EXISTS lines_todo ON lines (batch_id, line) WHERE done = 0;
 CREATE INDEX IF NOT EXISTS lines_owned ON lines (owner) WHERE done = 0;
 CREATE TABLE IF NOT EXISTS replicas (id TEXT PRIMARY KEY, expires_at REAL NOT NULL);
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
+CREATE TABLE IF NOT EXISTS responses (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT UNIQUE NOT NULL,
+    chain TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    status TEXT NOT NULL,
+    owner TEXT,
+    obj TEXT NOT NULL,
+    items TEXT NOT NULL,
+    turn TEXT,
+    events TEXT
+);
+CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
+CREATE INDEX IF NOT EXISTS responses_chain ON responses (chain);
 """
 # Columns added since the first release: a data dir written by it gains them on open.
 _ADDED = (("files", "blob", "TEXT"), ("batches", "worker", "TEXT"))
