@@ -146,6 +146,7 @@ class Engine:
         for kind, seq in items:
             if kind == "add":
                 self.scheduler.add(seq)
+                self.kv.prefetch(seq)
             elif not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 aborted.append(self._retire(seq))
