@@ -100,6 +100,10 @@ class BlockPool:
             block.hash = h
             self._cached[h] = block_id
 
+    def cached(self) -> list[tuple[bytes, int]]:
+        """Every (hash, block id) whose contents are cached."""
+        return list(self._cached.items())
+
     def evict_cached(self) -> None:
         """Drop every cached prefix that no running request holds (demoted, like any
         eviction)."""

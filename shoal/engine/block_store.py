@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from shoal.engine.shared_tier import SharedTier
 
 TIERS = ("host", "disk", "shared")
+PREFETCHED = 100_000
 
 
 class BlockCodec(Protocol):
@@ -88,6 +89,7 @@ class BlockStore:
         self.pins = host.pins
         self.stats = StoreStats()
         self._prefetch: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._prefetched: dict[bytes, str] = {}  # read up ahead of use: the tier it came from
         self._prefetcher: threading.Thread | None = None
         pool.on_evict = self.demote
 
@@ -136,8 +138,8 @@ class BlockStore:
 
     def _read(self, h: bytes) -> tuple[Payload, str] | None:
         payload = self.host.get(h)
-        if payload is not None:
-            return payload, "host"
+        if payload is not None:  # a prefetched block still counts for the tier it left
+            return payload, self._prefetched.pop(h, "host")
         tier = "disk"
         payload = self.disk.get(h)
         if payload is None and self.shared is not None:
@@ -162,10 +164,30 @@ class BlockStore:
     def _prefetch_all(self) -> None:
         while True:
             for h in self._prefetch.get():
-                if h not in self.host and self._read(h) is None:
+                if h in self.host:
+                    continue
+                got = self._read(h)
+                if got is None:
                     break
+                if len(self._prefetched) > PREFETCHED:
+                    self._prefetched.clear()  # never used: only the statistics forget them
+                self._prefetched[h] = got[1]
 
-    # -- persistence (sessions) -------------------------------------------------------------
+    # -- persistence ---------------------------------------------------------------------------
+    def write_back(self) -> int:
+        """Put every block the pool caches or host memory holds on disk too (an idle engine,
+        or one closing), so a restart finds every prefix; returns how many were queued."""
+        items = [(h, b) for h, b in self.pool.cached() if h not in self.disk]
+        payloads = self.codec.read_blocks([b for _, b in items]) if items else []
+        queued = [(h, p) for (h, _), p in zip(items, payloads, strict=True)]
+        for h in self.host.hashes():
+            if h not in self.disk and (p := self.host.get(h)) is not None:
+                queued.append((h, p))
+        self.stats.tiers["disk"].demotions += len(queued)
+        self.disk.put(queued, wait=True)
+        self.disk.flush()
+        return len(queued)
+
     def persist(self, hashes: list[bytes], block_ids: dict[bytes, int]) -> int:
         """Put the leading `hashes` on disk (from host memory, or from the pool blocks named in
         `block_ids`) and wait for them; returns how many are there."""

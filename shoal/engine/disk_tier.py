@@ -65,6 +65,7 @@ class DiskTier:
             if size == self.file_nbytes:
                 self._index[h] = None
             else:  # a layout's blocks all have one size: anything else is damaged
+                warnings.warn(f"KV block {h.hex()[:12]} on disk truncated; dropped", stacklevel=2)
                 self.files.delete(h)
         self._enforce_cap()
 
@@ -102,8 +103,9 @@ class DiskTier:
             return None
 
     # -- writing ---------------------------------------------------------------------------
-    def put(self, items: list[tuple[bytes, Payload]]) -> None:
-        """Queue blocks for the writer thread (those already here are only touched)."""
+    def put(self, items: list[tuple[bytes, Payload]], wait: bool = False) -> None:
+        """Queue blocks for the writer thread (those already here are only touched); when the
+        queue is full a pinned block (any, with `wait`) waits for room, others are dropped."""
         with self._cond:
             for h, payload in items:
                 if h in self._index:
@@ -111,7 +113,7 @@ class DiskTier:
                     continue
                 if h in self._pending:
                     continue
-                pinned = self.pins.pinned(h)
+                pinned = wait or self.pins.pinned(h)
                 while self._pending_bytes + self.file_nbytes > self.max_pending_bytes:
                     if not pinned:
                         break

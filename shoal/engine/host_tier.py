@@ -35,6 +35,10 @@ class HostTier:
     def __contains__(self, h: bytes) -> bool:
         return h in self._blocks
 
+    def hashes(self) -> list[bytes]:
+        with self._lock:
+            return list(self._blocks)
+
     def get(self, h: bytes) -> Payload | None:
         with self._lock:
             payload = self._blocks.get(h)

@@ -95,19 +95,18 @@ class KVCacheManager:
         blocks (with prefix caching), or what its session holds, whichever is longer; a
         session's partly filled block too. KV found below the pool is read here."""
         bs = self.block_size
-        limit = (seq.num_tokens - 1) // bs * bs if self.enable_prefix_caching else 0
-        session = None
+        full = (seq.num_tokens - 1) // bs if self.enable_prefix_caching else 0
+        session, n = None, 0  # tokens the session holds of the prompt
         if self.sessions is not None and seq.session_id is not None:
             prompt = seq.token_ids()
             session = self.sessions.find(seq.session_id, prompt)
             if session is not None and session.token_ids:
                 n = min(common_prefix_len(session.token_ids, prompt), seq.num_tokens - 1)
-                limit = max(limit, n)
+                full = max(full, n // bs)
         hit = PrefixHit(session=session)
-        if limit <= 0:
+        if full == 0 and n == 0:
             return hit
         self._update_hashes(seq)
-        full = limit // bs
         wanted: list[bytes] = []
         for h in seq.block_hashes[:full]:
             block_id = self.pool.lookup(h)
@@ -118,8 +117,8 @@ class KVCacheManager:
                 block_id = -1
             hit.blocks.append(block_id)
         partial = None
-        if len(hit.blocks) == full and limit % bs and session is not None:
-            partial = session.hashes[full]  # holds the prompt's tokens up to `limit`
+        if session is not None and n % bs and len(hit.blocks) == n // bs:
+            partial = session.hashes[n // bs]  # holds the prompt's tokens up to `n`
             hit.copy_src = self.pool.lookup(partial)
             if hit.copy_src is None and (self.store is None or self.store.where(partial) is None):
                 partial = None
@@ -138,7 +137,7 @@ class KVCacheManager:
                 hit.copy_load = got[-1][0]
             elif hit.copy_src is None:
                 partial = None
-        hit.num_tokens = len(hit.blocks) * bs + (limit % bs if partial is not None else 0)
+        hit.num_tokens = len(hit.blocks) * bs + (n % bs if partial is not None else 0)
         return hit
 
     def prefetch(self, seq: Sequence) -> None:

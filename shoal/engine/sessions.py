@@ -300,12 +300,15 @@ class SessionManager:
     # -- control -------------------------------------------------------------------------------
     def flush(self) -> int:
         """Persist every session whose manifest is missing or stale: its blocks on disk, then
-        its manifest; returns how many. Turns queued for the shared folder are written first."""
+        its manifest; returns how many. Turns queued for the shared folder are written first,
+        and every other cached block goes to disk too (a conversation resent whole, with no
+        session, finds its prefix after a restart)."""
         if self.shared is not None:
             self.shared.drain()
         if not self.manifests.persistent:
             return 0
         self._forget_unpinned()
+        self.store.write_back()
         saved = 0
         for session in list(self._sessions.values()):
             if session.saved or not session.token_ids:

@@ -258,6 +258,12 @@ class SharedTier:
 
     def read(self, h: bytes) -> Payload | None:
         """Block `h`, checked whole; None (warned, the file left alone) if unusable."""
+        with self._cond:
+            for turn in self._pending.values():  # queued here, not written yet
+                if h in turn.blocks:
+                    return turn.blocks[h]
+        if not self.files.exists(h):
+            return None
         try:
             payload = self.files.read(h)
         except CacheCorruptionError as e:

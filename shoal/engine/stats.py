@@ -56,12 +56,8 @@ class EngineStats:
     kv_disk_promotions: int = _stat("counter", "Blocks read from disk back into the pool.")
     kv_disk_demotions: int = _stat("counter", "Blocks queued for the disk (host overflow, saves).")
     kv_disk_dropped: int = _stat("counter", "Unpinned blocks not written: the disk queue was full.")
-    kv_shared_hits: int = _stat(
-        "counter", "Lookups that found a block in the shared folder."
-    )
-    kv_shared_promotions: int = _stat(
-        "counter", "Blocks read from the shared folder to the pool."
-    )
+    kv_shared_hits: int = _stat("counter", "Lookups that found a block in the shared folder.")
+    kv_shared_promotions: int = _stat("counter", "Blocks read from the shared folder to the pool.")
     kv_pins: int = _stat("gauge", "Named pins (sessions, cache keys, breakpoints) on stored KV.")
     tier_writes: int = _stat("counter", "Finished turns written to the shared folder.")
     tier_reads: int = _stat("counter", "Session admissions that read KV from the shared folder.")
