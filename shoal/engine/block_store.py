@@ -26,7 +26,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
-from shoal.config import EngineConfig
 from shoal.engine.block_files import KVLayout
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.disk_tier import DiskTier
@@ -210,26 +209,31 @@ class BlockStore:
 
 
 def build_store(
-    config: EngineConfig, layout: KVLayout, pool: BlockPool, codec: BlockCodec
+    layout: KVLayout,
+    pool: BlockPool,
+    codec: BlockCodec,
+    *,
+    cache_dir: str | Path | None,
+    host_kv_bytes: int,
+    disk_kv_bytes: int,
+    shared_dir: str | Path | None = None,
 ) -> tuple[BlockStore, SessionManager]:
-    """The tiers `config` asks for below `pool`, and the sessions pinned on them (both
-    backends build theirs here)."""
+    """The tiers below `pool` (host memory, disk under `cache_dir`, the shared folder), and
+    the sessions pinned on them: both backends build theirs here."""
     from shoal.engine.session_manifests import SessionManifests
     from shoal.engine.sessions import SessionManager
     from shoal.engine.shared_tier import SharedTier
 
     root = root_hash(layout.root())
-    cache = Path(config.cache_dir).expanduser() if config.cache_dir else None
+    cache = Path(cache_dir).expanduser() if cache_dir else None
     pins = Pins()
     disk = DiskTier(
         cache / layout.key() / "blocks" if cache else None,
         codec.block_nbytes,
-        config.disk_kv_bytes,
+        disk_kv_bytes,
         pins,
     )
-    shared = None
-    if config.session_tier_dir:
-        shared = SharedTier(layout, config.session_tier_dir, codec, root)
-    store = BlockStore(pool, codec, HostTier(config.host_kv_bytes, pins), disk, shared)
+    shared = SharedTier(layout, shared_dir, codec, root) if shared_dir else None
+    store = BlockStore(pool, codec, HostTier(host_kv_bytes, pins), disk, shared)
     sessions = SessionManager(pool, store, root, SessionManifests(cache, layout), shared)
     return store, sessions

@@ -65,7 +65,15 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         cfg.num_kv_heads,
         cfg.head_dim,
     )
-    store, sessions = build_store(config, layout, pool, TorchBlockCodec(runner))
+    store, sessions = build_store(
+        layout,
+        pool,
+        TorchBlockCodec(runner),
+        cache_dir=config.cache_dir,
+        host_kv_bytes=config.host_kv_bytes,
+        disk_kv_bytes=config.disk_kv_bytes,
+        shared_dir=config.session_tier_dir,
+    )
     kv = KVCacheManager(pool, sessions.root, config.enable_prefix_caching, sessions)
     return EngineParts(
         config=config,

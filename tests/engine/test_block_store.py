@@ -59,7 +59,7 @@ def test_a_full_resend_without_a_session_is_served_from_any_tier(
             engine.close()
             eng = make_engine(model, num_blocks=24, cache_dir=str(tmp_path))
         assert eng is not None
-        history = history + [50 + t, 60 + t]
+        history = [*history, 50 + t, 60 + t]
         (ref,) = run(reference, [history])
         (out,) = run(eng, [history])
         expected.append(ref.token_ids)
@@ -79,7 +79,7 @@ def test_a_full_resend_without_a_session_is_served_from_any_tier(
 def test_sessions_sharing_a_prefix_store_it_once(model: Path, tmp_path: Path) -> None:
     system = list(range(3, 3 + 40))  # 10 blocks every session shares
     engine = make_engine(model, cache_dir=str(tmp_path))
-    prompts = [system + [200 + i, 201 + i, 202] for i in range(16)]
+    prompts = [[*system, 200 + i, 201 + i, 202] for i in range(16)]
     run(engine, prompts, [f"agent-{i}" for i in range(16)])
     assert engine.save_sessions() == 16
     files = list(tmp_path.rglob("*.kv"))

@@ -82,7 +82,14 @@ class World:
         self.pool = BlockPool(num_blocks, BS)
         self.io = FakeCodec()
         layout = KVLayout("fake", "int64", BS, 1, 1, 1)
-        self.store, self.table = build_store(self.config, layout, self.pool, self.io)
+        self.store, self.table = build_store(
+            layout,
+            self.pool,
+            self.io,
+            cache_dir=None,
+            host_kv_bytes=self.config.host_kv_bytes,
+            disk_kv_bytes=self.config.disk_kv_bytes,
+        )
         self.kv = KVCacheManager(self.pool, self.table.root, prefix, self.table)
         self.sched = Scheduler(self.config, self.kv, 10_000)
         self.history: dict[str, list[int]] = {}
