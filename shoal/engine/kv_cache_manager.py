@@ -229,7 +229,10 @@ class KVCacheManager:
         seq.num_committed_blocks = num_full
 
     def free(self, seq: Sequence, keep: bool = False) -> None:
-        """Give `seq`'s blocks back; with `keep`, its session takes over its computed KV."""
+        """Give `seq`'s blocks back; with `keep`, its session takes over its computed KV (and
+        the prefixes it asked to keep are pinned in the store)."""
+        if keep and seq.cache_pins and seq.status is SequenceStatus.RUNNING:
+            self._pin(seq)
         if (
             self.sessions is not None
             and seq.session_id is not None
@@ -240,6 +243,17 @@ class KVCacheManager:
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0
+
+    def _pin(self, seq: Sequence) -> None:
+        if self.store is None or not self.enable_prefix_caching:
+            return
+        self.commit(seq)
+        for pin in seq.cache_pins:
+            n = seq.num_computed_tokens
+            hashes = seq.block_hashes[: min(n, pin.num_tokens or n) // self.block_size]
+            if hashes:
+                name = pin.name or f"prefix:{hashes[-1].hex()}"
+                self.store.pins.pin(name, hashes, pin.ttl_s)
 
 
 def _nth(items: list[int], value: int, n: int) -> int:

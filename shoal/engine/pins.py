@@ -15,6 +15,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 
+@dataclass(slots=True, frozen=True)
+class CachePin:
+    """What a request asks the store to keep once it ends: its KV up to `num_tokens` (all it
+    computed when None), pinned under `name` (named after its last block when None) for
+    `ttl_s` seconds (until replaced when None)."""
+
+    name: str | None = None
+    num_tokens: int | None = None
+    ttl_s: float | None = None
+
+
 @dataclass(slots=True)
 class Pin:
     name: str

@@ -46,6 +46,7 @@ class ServerConfig:
     store: str | None = None  # `--store`: a path, sqlite:///... or postgresql://...
     batch_lease_s: float = 10.0  # a dead replica's batch lines are re-taken after this
     batch_gate: Path | None = None  # a test hook: see `server.line_gate`
+    keep_billing_header: bool = False  # Claude Code's per-request system line (`anthropic/caching`)
 
     @property
     def store_url(self) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import mlx.core as mx
@@ -28,6 +29,7 @@ from shoal.backends.mlx.loader import MLXModel, load_gguf
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.pins import CachePin
 from shoal.engine.requests import RequestTable
 from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
@@ -95,10 +97,13 @@ class MLXEngine:
         *,
         priority: int = 0,
         session_id: str | None = None,
+        cache_pins: Iterable[CachePin] = (),
     ) -> str:
-        """Validate and queue a request; returns its id (see `Engine.add_request`)."""
+        """Validate and queue a request; returns its id (see `Engine.add_request`; cache pins
+        need prefix caching, which this backend does not do, so they keep nothing here)."""
         self._requests.check_open()
         seq = self.core.inputs.process(prompt, params, request_id, priority, session_id)
+        seq.cache_pins = tuple(cache_pins)
         with self._requests.lock:
             self._requests.check_new(seq.request_id)
             self._requests[seq.request_id] = self.core.submit_sequence(seq)

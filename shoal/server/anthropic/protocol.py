@@ -47,7 +47,7 @@ class ToolChoice(_Open):
     disable_parallel_tool_use: bool | None = None
 
 
-class _Prompt(_Open):
+class Prompt(_Open):
     """What a prompt is built from, besides the model and the messages."""
 
     system: str | list[ContentBlock] | None = None
@@ -56,14 +56,14 @@ class _Prompt(_Open):
     thinking: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(Prompt):
     """`POST /v1/messages/count_tokens`: what a Messages request's prompt holds."""
 
     model: str
     messages: list[MessageParam] = Field(..., min_length=1)
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(Prompt):
     model: str
     max_tokens: int = Field(..., ge=1)
     messages: list[MessageParam] = Field(..., min_length=1)
