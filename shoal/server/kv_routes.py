@@ -23,7 +23,7 @@ State = Annotated[ServerState, Depends(get_state)]
 def snapshot(engine: EngineProtocol) -> dict[str, Any]:
     s = engine.stats()
     store = engine.sessions.store
-    tier = {
+    tier: dict[str, dict[str, Any]] = {
         "pool": {"blocks": s.blocks_used, "bytes": s.kv_bytes_used, "free": s.blocks_free},
         "host": {
             "blocks": s.kv_host_blocks,
