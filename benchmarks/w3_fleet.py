@@ -116,9 +116,8 @@ def run_vllm(args: argparse.Namespace, root: Path, kv_gib: int) -> list[Turn]:
         )
         for seconds, ttfts in timed:
             turns.append(Turn(seconds, ttfts))
-            print(
-                f"  vLLM turn {len(turns)}: {seconds:.1f} s, mean TTFT {statistics.mean(ttfts):.2f} s"
-            )
+            mean = statistics.mean(ttfts)
+            print(f"  vLLM turn {len(turns)}: {seconds:.1f} s, mean TTFT {mean:.2f} s")
     return turns
 
 
@@ -157,13 +156,13 @@ def main() -> None:
     pool_only = run_shoal(args, False, kv_bytes)
     vllm = None if vllm_root is None else run_vllm(args, vllm_root, vllm_gib)
     n, end = args.turns, args.turns + args.after
-    for label, a, b in (("turns 2-%d" % n, 1, n), ("after restart", n, end)):
+    for label, a, b in ((f"turns 2-{n}", 1, n), ("after restart", n, end)):
         if b <= a:
             continue
-        (tt, tf), (pt, pf) = summary(tiers, a, b), summary(pool_only, a, b)
+        tf, pf = summary(tiers, a, b)[1], summary(pool_only, a, b)[1]
         line = f"{label:14} TTFT tiers {tf:6.2f} s, pool only {pf:6.2f} s ({pf / tf:4.1f}x)"
         if vllm is not None:
-            vt, vf = summary(vllm, a, b)
+            vf = summary(vllm, a, b)[1]
             line += f", vLLM {vf:6.2f} s ({vf / tf:4.1f}x)"
         print(line)
     total = summary(tiers, 0, end)[0]
