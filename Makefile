@@ -34,7 +34,15 @@ postgresql:
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql; }
 
-test: install redis-server postgresql
+# The agent-client test runs Claude Code (npm) against a server; Node and npm from Debian.
+claude-code:
+	@command -v claude >/dev/null || { \
+		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+		command -v npm >/dev/null || { $$SUDO apt-get update -qq && \
+			DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nodejs npm; }; \
+		$$SUDO npm install -g -s @anthropic-ai/claude-code || true; }
+
+test: install redis-server postgresql claude-code
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -42,10 +50,10 @@ test: install redis-server postgresql
 # The timing-sensitive modules STRESS_RUNS times beside a busy loop pinned to one core; lists
 # every test that failed in some runs (a test that depends on the machine's speed).
 STRESS_RUNS ?= 5
-test-stress: install redis-server postgresql
+test-stress: install redis-server postgresql claude-code
 	$(PY) tests/stress.py --runs $(STRESS_RUNS) --hog
 
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test test-stress bench redis-server postgresql
+.PHONY: install run test test-stress bench redis-server postgresql claude-code

@@ -38,13 +38,16 @@ from shoal.server.structured import plan_answer
 from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta
 
 router = APIRouter()
+# Accepted and answered without thinking blocks (the models shoal runs do not think apart):
+# Claude Code asks for it on every turn.
+THINKING = ("disabled", "enabled", "adaptive")
 State = Annotated[ServerState, Depends(get_state)]
 
 
 def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that answers `req` (raises APIError for what cannot be honoured)."""
-    if req.thinking and req.thinking.get("type") != "disabled":
-        raise APIError(400, "extended thinking is not supported", param="thinking")
+    if req.thinking and req.thinking.get("type") not in THINKING:
+        raise APIError(400, f"thinking.type must be one of {THINKING}", param="thinking")
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_BATCH_REQUESTS = 100_000
 
@@ -30,6 +30,13 @@ class ContentBlock(_Open):
 class MessageParam(_Open):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _user_unless_assistant(cls, role: Any) -> Any:
+        """Claude Code sends context turns under roles of its own; they are the user's (as
+        vLLM reads them)."""
+        return role if role == "assistant" or not isinstance(role, str) else "user"
 
 
 class ToolParam(_Open):

@@ -1,0 +1,72 @@
+"""Claude Code, unchanged, against shoal: one `claude -p` turn through `/v1/messages` (its
+per-request billing line stripped, so a second run reads its long system prompt from the KV
+store). Skipped, with the reason, where `make claude-code` could not install it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from server_harness import LiveServer
+from server_tiny_model import build_tiny_model
+
+CLAUDE = shutil.which("claude")
+pytestmark = pytest.mark.skipif(
+    CLAUDE is None, reason="Claude Code is not installed (make claude-code: npm)"
+)
+
+
+@pytest.fixture(scope="module")
+def long_server(
+    start_server: Callable[..., LiveServer], tmp_path_factory: pytest.TempPathFactory
+) -> LiveServer:
+    """A tiny random model with a context long enough for Claude Code's system prompt and
+    tools (its byte-level tokenizer makes many tokens of them)."""
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny-long-context"), max_positions=262_144)
+    engine = {"model": str(model), "num_blocks": 16_384, "max_num_batched_tokens": 8192}
+    return start_server(engine=engine)
+
+
+def claude_turn(server: LiveServer, home: Path) -> dict[str, Any]:
+    assert CLAUDE is not None
+    env = {
+        "PATH": os.environ.get("PATH", ""),
+        "HOME": str(home),
+        "ANTHROPIC_BASE_URL": server.url,
+        "ANTHROPIC_API_KEY": "unused",
+        "ANTHROPIC_MODEL": server.model,
+        "ANTHROPIC_SMALL_FAST_MODEL": server.model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": server.model,
+        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+        "DISABLE_AUTOUPDATER": "1",
+    }
+    proc = subprocess.run(
+        [CLAUDE, "-p", "Say hello.", "--model", server.model, "--output-format", "json"],
+        env=env,
+        cwd=home,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        stdin=subprocess.DEVNULL,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return dict(json.loads(proc.stdout))
+
+
+def test_claude_code_runs_a_turn_and_its_prompt_is_cached(
+    long_server: LiveServer, tmp_path: Path
+) -> None:
+    first = claude_turn(long_server, tmp_path)
+    assert first.get("type") == "result" and not first.get("is_error"), first
+    second = claude_turn(long_server, tmp_path)
+    usage = second.get("usage") or {}
+    assert usage.get("cache_read_input_tokens", 0) > 0, second
+    metrics = httpx.get(f"{long_server.url}/metrics", timeout=30).text
+    assert "shoal_kv_host_blocks" in metrics
