@@ -95,7 +95,7 @@ def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> list[Turn
             )
         s = llm.stats()
         print(
-            f"  hit rate {s.prefix_cache_hit_rate:.2f}; promoted host {s.kv_host_promotions}, "
+            f"  hit rate {s.prefix_cache_hit_rate:.2f}, preemptions {s.num_preemptions}; promoted host {s.kv_host_promotions}, "
             f"disk {s.kv_disk_promotions}; demoted host {s.kv_host_demotions}, "
             f"disk {s.kv_disk_demotions}; host {s.kv_host_bytes / GiB:.2f} GiB, "
             f"disk {s.kv_disk_bytes / GiB:.2f} GiB"
@@ -142,7 +142,10 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     args = ap.parse_args()
     tokens = working_set_tokens(args)
-    kv_bytes = int(tokens * KV_BYTES_PER_TOKEN[args.dtype] * args.pool_fraction)
+    longest = args.system + (args.turns + args.after) * (args.user + args.gen)
+    # A quarter of the working set, but room for two of the longest requests at least.
+    kv_tokens = max(tokens * args.pool_fraction, 2 * longest)
+    kv_bytes = int(kv_tokens * KV_BYTES_PER_TOKEN[args.dtype])
     vllm_gib = max(1, round(kv_bytes / GiB))  # vLLM takes whole GiB
     print(
         f"W3: {args.agents} agents x {args.turns}+{args.after} turns (restart between), system "

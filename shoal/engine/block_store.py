@@ -95,6 +95,8 @@ class BlockStore:
     # -- down --------------------------------------------------------------------------------
     def demote(self, evicted: list[tuple[int, bytes]]) -> None:
         """The pool is about to reuse these cached blocks: keep their KV in host memory."""
+        if not (self.host.cap_bytes or self.disk.cap_bytes):
+            return  # no tier below the pool: nothing to copy
         fresh = [(b, h) for b, h in evicted if not self.host.touch(h)]
         if not fresh:
             return

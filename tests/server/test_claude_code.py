@@ -27,10 +27,16 @@ pytestmark = pytest.mark.skipif(
 def long_server(
     start_server: Callable[..., LiveServer], tmp_path_factory: pytest.TempPathFactory
 ) -> LiveServer:
-    """A tiny random model with a context long enough for Claude Code's system prompt and
-    tools (its byte-level tokenizer makes many tokens of them)."""
-    model = build_tiny_model(tmp_path_factory.mktemp("tiny-long-context"), max_positions=262_144)
-    engine = {"model": str(model), "num_blocks": 16_384, "max_num_batched_tokens": 8192}
+    """A tiny random model with a context long enough for Claude Code's system prompt (its
+    byte-level tokenizer makes many tokens of it), whose final norm is zeroed: every logit is
+    0, so a sampled answer ends at EOS after a few hundred tokens rather than at 32,000."""
+    from safetensors.torch import load_file, save_file
+
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny-long-context"), max_positions=65_536)
+    weights = load_file(model / "model.safetensors")
+    weights["model.norm.weight"].zero_()
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    engine = {"model": str(model), "num_blocks": 8192, "max_num_batched_tokens": 8192}
     return start_server(engine=engine)
 
 
@@ -48,7 +54,8 @@ def claude_turn(server: LiveServer, home: Path) -> dict[str, Any]:
         "DISABLE_AUTOUPDATER": "1",
     }
     proc = subprocess.run(
-        [CLAUDE, "-p", "Say hello.", "--model", server.model, "--output-format", "json"],
+        [CLAUDE, "-p", "Say hello.", "--model", server.model, "--output-format", "json"]
+        + ["--tools", ""],  # its default system prompt, without the tools' long schemas
         env=env,
         cwd=home,
         capture_output=True,
