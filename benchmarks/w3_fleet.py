@@ -95,7 +95,8 @@ def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> list[Turn
             )
         s = llm.stats()
         print(
-            f"  hit rate {s.prefix_cache_hit_rate:.2f}, preemptions {s.num_preemptions}; promoted host {s.kv_host_promotions}, "
+            f"  hit rate {s.prefix_cache_hit_rate:.2f}, preemptions {s.num_preemptions}; "
+            f"promoted host {s.kv_host_promotions}, "
             f"disk {s.kv_disk_promotions}; demoted host {s.kv_host_demotions}, "
             f"disk {s.kv_disk_demotions}; host {s.kv_host_bytes / GiB:.2f} GiB, "
             f"disk {s.kv_disk_bytes / GiB:.2f} GiB"

@@ -53,9 +53,10 @@ def claude_turn(server: LiveServer, home: Path) -> dict[str, Any]:
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_AUTOUPDATER": "1",
     }
+    # Its default system prompt, without the tools' long schemas (`--tools ""`).
+    argv = [CLAUDE, "-p", "Say hello.", "--model", server.model, "--output-format", "json"]
     proc = subprocess.run(
-        [CLAUDE, "-p", "Say hello.", "--model", server.model, "--output-format", "json"]
-        + ["--tools", ""],  # its default system prompt, without the tools' long schemas
+        [*argv, "--tools", ""],
         env=env,
         cwd=home,
         capture_output=True,
