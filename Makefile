@@ -34,20 +34,29 @@ postgresql:
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq postgresql; }
 
-# The Codex CLI test runs the real `codex` (npm's @openai/codex ships its binary), installed
-# into .tools/codex; Node and npm come from Debian if missing. Where npm cannot install it, the
-# test says so and skips.
+# The agent-client tests run the real Codex CLI and Claude Code (npm packages that ship their
+# programs), installed into .tools/<name>; Node and npm come from Debian if missing. Where npm
+# cannot install one, its test says so and skips.
 CODEX_VERSION ?= 0.171.0
-codex:
+CLAUDE_CODE_VERSION ?= 2.1.197
+npm:
 	@command -v npm >/dev/null || { \
 		SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 		$$SUDO apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq nodejs npm; } || true
+
+codex: npm
 	@[ -x .tools/codex/node_modules/.bin/codex ] || \
 		npm install -q --prefix .tools/codex @openai/codex@$(CODEX_VERSION) || \
 		echo "codex: npm could not install @openai/codex; its test will skip"
 
-test: install redis-server postgresql codex
+claude-code: npm
+	@[ -x .tools/claude-code/node_modules/.bin/claude ] || \
+		npm install -q --prefix .tools/claude-code \
+			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) || \
+		echo "claude-code: npm could not install @anthropic-ai/claude-code; its test will skip"
+
+test: install redis-server postgresql codex claude-code
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -55,10 +64,10 @@ test: install redis-server postgresql codex
 # The timing-sensitive modules STRESS_RUNS times beside a busy loop pinned to one core; lists
 # every test that failed in some runs (a test that depends on the machine's speed).
 STRESS_RUNS ?= 5
-test-stress: install redis-server postgresql
+test-stress: install redis-server postgresql claude-code
 	$(PY) tests/stress.py --runs $(STRESS_RUNS) --hog
 
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test test-stress bench redis-server postgresql codex
+.PHONY: install run test test-stress bench redis-server postgresql npm codex claude-code

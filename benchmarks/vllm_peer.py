@@ -43,7 +43,7 @@ def _tcmalloc() -> str:
     raise FileNotFoundError("libtcmalloc_minimal.so.4 not found: run benchmarks/setup_vllm_cpu.sh")
 
 
-def environment(root: Path, threads: int) -> dict[str, str]:
+def environment(root: Path, threads: int, kv_space_gib: int = 4) -> dict[str, str]:
     """The environment vLLM's CPU docs advise (see above), for a process of its venv."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)  # nothing of shoal's venv in vLLM's
@@ -51,13 +51,13 @@ def environment(root: Path, threads: int) -> dict[str, str]:
         LD_PRELOAD=f"{_tcmalloc()}:{root / 'venv' / 'lib' / 'libiomp5.so'}",
         VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
         VLLM_CPU_NUM_OF_RESERVED_CPU="0",
-        VLLM_CPU_KVCACHE_SPACE="4",
+        VLLM_CPU_KVCACHE_SPACE=str(kv_space_gib),
         HF_HUB_OFFLINE="1",
     )
     return env
 
 
-def _run(root: Path, job: dict[str, Any], threads: int) -> dict[str, Any]:
+def _run(root: Path, job: dict[str, Any], threads: int, kv_space_gib: int = 4) -> dict[str, Any]:
     """One vLLM process on one job; vLLM's log is kept, and shown if the process fails."""
     job = {
         "model": str(root / "smollm2-135m-hf"),
@@ -71,7 +71,11 @@ def _run(root: Path, job: dict[str, Any], threads: int) -> dict[str, Any]:
         cmd = [str(root / "venv" / "bin" / "python"), str(WORKER), str(job_file), str(result_file)]
         with log_path.open("w") as log:
             proc = subprocess.run(
-                cmd, stdout=log, stderr=subprocess.STDOUT, env=environment(root, threads), cwd=tmp
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=environment(root, threads, kv_space_gib),
+                cwd=tmp,
             )
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace")[-3000:]
@@ -136,9 +140,11 @@ def w2(
     turns: list[list[list[int]]],
     max_tokens: int,
     threads: int,
+    kv_space_gib: int = 4,
 ) -> tuple[list[tuple[float, list[float]]], list[list[int]]]:
-    """Turns of every session in one fresh vLLM process with automatic prefix caching; returns
-    (seconds, TTFTs) per turn and the histories after the last turn."""
+    """Turns of every session in one fresh vLLM process with automatic prefix caching and a KV
+    cache of `kv_space_gib`; returns (seconds, TTFTs) per turn and the histories after the
+    last turn."""
     job = {
         "work": "w2",
         "dtype": dtype,
@@ -148,5 +154,5 @@ def w2(
         "turns": turns,
         "max_tokens": max_tokens,
     }
-    result = _run(root, job, threads)
+    result = _run(root, job, threads, kv_space_gib)
     return [(t["seconds"], t["ttfts"]) for t in result["turns"]], result["histories"]

@@ -28,7 +28,7 @@ import torch
 import vllm_peer
 
 from shoal import LLM, SamplingParams
-from shoal.engine.kv_store import gather_blocks, scatter_blocks
+from shoal.layers import cpu_kernels
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -117,21 +117,27 @@ def run_vllm(args: argparse.Namespace, root: Path) -> list[Turn]:
 
 def restore_micro(blocks: int = 32, layers: int = 48, iters: int = 200) -> None:
     """Host memory -> pool for SmolLM2-shaped blocks (3 KV heads x 64, 16 tokens, float32)."""
+    kernels = cpu_kernels.native()
+    if kernels is None:
+        print("restore micro-benchmark: no C++ kernels here")
+        return
     shape = (4 * blocks + 64, 16, 3, 64)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
+    caches = [torch.randn(shape) for _ in range(2 * layers)]
     for name, ids in (
         ("contiguous", list(range(64, 64 + blocks))),
         ("scattered", random.Random(0).sample(range(shape[0]), blocks)),
     ):
-        host = gather_blocks(caches, ids)
+        index = torch.tensor(ids)
+        host = kernels.gather_blocks(caches, index)
+        srcs = [t.data_ptr() for t in host]
         times = []
         for _ in range(iters):
             start = time.perf_counter()
-            scatter_blocks(caches, ids, host)
+            kernels.scatter_blocks(srcs, caches, index)
             times.append(time.perf_counter() - start)
         times.sort()
         p50, p95 = times[len(times) // 2], times[int(0.95 * len(times))]
-        mb = host.numel() * host.element_size() / 1e6
+        mb = sum(t.numel() for t in host) / 1e6
         print(
             f"restore {blocks} blocks x {layers} layers ({mb:.0f} MB, {name} ids): "
             f"p50 {1e3 * p50:.2f} ms, p95 {1e3 * p95:.2f} ms"

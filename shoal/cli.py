@@ -73,6 +73,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         default=d.grammar_cache_bytes // MiB,
         help="compiled grammars kept, least recently used dropped first",
     )
+    p.add_argument(
+        "--host-kv-gib",
+        type=float,
+        default=d.host_kv_bytes / GiB,
+        help="host memory for KV blocks the pool evicts (the store's second tier)",
+    )
+    p.add_argument(
+        "--disk-kv-gib",
+        type=float,
+        default=d.disk_kv_bytes / GiB,
+        help="disk under the cache dir for KV blocks host memory evicts (third tier)",
+    )
 
 
 def _backend_arg(p: argparse.ArgumentParser) -> None:
@@ -103,6 +115,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         grammar_compile_bytes=args.grammar_compile_mib * MiB,
         grammar_wait_s=args.grammar_wait_timeout,
         grammar_cache_bytes=args.grammar_cache_mib * MiB,
+        host_kv_bytes=int(args.host_kv_gib * GiB),
+        disk_kv_bytes=int(args.disk_kv_gib * GiB),
         **extra,  # type: ignore[arg-type]
     )
 
@@ -181,6 +195,7 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         ),
         responses_keep=args.responses_keep,
         responses_max_age_s=args.responses_max_age_days * 86400.0,
+        keep_billing_header=args.keep_billing_header,
     )
 
 
@@ -257,8 +272,38 @@ def _server_arguments(serve: argparse.ArgumentParser) -> None:
     ]:
         flag = "--max-schema-" + name.replace("_", "-")
         limits.add_argument(flag, type=int, default=getattr(SchemaLimits(), name), help=what)
+    serve.add_argument(
+        "--keep-billing-header",
+        action="store_true",
+        help="keep Claude Code's per-request x-anthropic-billing-header system line (by default "
+        "it is removed before tokenising, since it defeats every prefix cache)",
+    )
     _engine_args(serve)
     _backend_arg(serve)
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    """Print what a running server's KV store holds, tier by tier (`GET /v1/kv`)."""
+    import httpx
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    r = httpx.get(f"{args.url.rstrip('/')}/v1/kv", headers=headers, timeout=30)
+    if r.status_code != 200:
+        print(f"shoal sessions: {r.status_code} {r.text}", file=sys.stderr)
+        return 1
+    body = r.json()
+    if args.json:
+        print(json.dumps(body, indent=2))
+        return 0
+    for name, t in body["tiers"].items():
+        facts = ", ".join(f"{k} {v}" for k, v in t.items())
+        print(f"{name:7} {facts}")
+    for s in body["sessions"]:
+        where = "pool" if s["in_memory"] else "store"
+        print(f"session {s['session_id']}: {s['state']}, {s['num_tokens']} tokens, in the {where}")
+    for p in body["pins"]:
+        print(f"pin     {p['name']}: {p['blocks']} blocks, expires {p['expires']}")
+    return 0
 
 
 def _batchify(args: argparse.Namespace) -> int:
@@ -293,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     _server_arguments(serve)
     add_replica_arguments(serve)
     serve.set_defaults(func=_serve)
+
+    ses = sub.add_parser("sessions", help="list what a server's KV store holds, tier by tier")
+    ses.add_argument("--url", default="http://127.0.0.1:8000")
+    ses.add_argument("--api-key", default=None)
+    ses.add_argument("--json", action="store_true")
+    ses.set_defaults(func=_sessions)
 
     bf = sub.add_parser("batchify", help="run a script; its SDK calls become Batch API jobs")
     batchify_arguments(bf)

@@ -49,13 +49,16 @@ class EngineConfig:
     batch_wait_s: float = 0.005
     enable_prefix_caching: bool = True
     max_waiting: int = 100_000
-    # Session KV spilled from the pool goes to disk: here, to survive restarts (else a private
-    # temporary folder), at most `disk_cache_bytes` of it, least recently used dropped first.
+    # The KV store below the pool (`engine/block_store.py`): blocks the pool evicts go to host
+    # memory (at most `host_kv_bytes`), then to disk (at most `disk_kv_bytes`) under
+    # `cache_dir`, where they and the sessions' manifests survive restarts (else a private
+    # temporary folder); each tier drops its least recently used blocks first.
     cache_dir: str | None = None
-    disk_cache_bytes: int = 16 * GiB
+    host_kv_bytes: int = 2 * GiB
+    disk_kv_bytes: int = 16 * GiB
     # A folder several engines share (replicas of a cluster; the next run after a crash): each
-    # finished turn's session KV is written behind there, and a session this engine does not
-    # hold is restored from there (`engine/session_tier.py`; torch backend).
+    # finished turn's session KV is written behind there, and blocks this engine lacks are read
+    # from there (`engine/shared_tier.py`).
     session_tier_dir: str | None = None
     # Speculation by prompt lookup for greedy requests (`engine/ngram.py`; vLLM's "ngram"
     # method): up to this many draft tokens a step, matched on the last `prompt_lookup_max`
@@ -93,10 +96,8 @@ class EngineConfig:
             raise InvalidRequestError("max_num_seqs and max_num_batched_tokens must be positive")
         if self.min_batch_size < 1 or self.batch_wait_s < 0:
             raise InvalidRequestError("min_batch_size must be >= 1 and batch_wait_s >= 0")
-        if self.disk_cache_bytes < 0:
-            raise InvalidRequestError("disk_cache_bytes must be >= 0")
-        if self.session_tier_dir is not None and self.backend != "torch":
-            raise InvalidRequestError("session_tier_dir needs the torch backend")
+        if self.host_kv_bytes < 0 or self.disk_kv_bytes < 0:
+            raise InvalidRequestError("host_kv_bytes and disk_kv_bytes must be >= 0")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
         if self.num_speculative_tokens < 0:

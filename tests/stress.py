@@ -27,7 +27,7 @@ MODULES = [
     "tests/engine/test_sessions.py",
     "tests/engine/test_sessions_crash.py",
     "tests/engine/test_sessions_schedule.py",
-    "tests/engine/test_session_tier.py",
+    "tests/engine/test_shared_tier.py",
 ]
 HOG = "while True: pass"
 

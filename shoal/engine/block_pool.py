@@ -4,12 +4,16 @@ Free blocks wait in an ordered queue: the head is reused (and its cached content
 first. A block whose contents are cached goes to the tail when freed, so cached prefixes
 outlive scratch blocks, which go to the head. A block with `ref_cnt > 0` is referenced (by a
 running request or a session) and can never be evicted.
+
+The pool is the top tier of the KV store (`block_store.py`): when it reuses a cached block it
+hands the block to `on_evict` first, which copies the KV down to host memory, so a cached
+prefix is demoted, not lost.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from shoal.errors import PoolExhaustedError
@@ -36,6 +40,8 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, int] = {}
+        # Called with (block id, hash) pairs just before their cached contents are dropped.
+        self.on_evict: Callable[[list[tuple[int, bytes]]], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -53,14 +59,18 @@ class BlockPool:
         if n > len(self._free):
             raise PoolExhaustedError(f"asked for {n} KV blocks, {len(self._free)} free")
         out = []
+        evicted = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.hash is not None:
+                evicted.append((block_id, block.hash))
                 del self._cached[block.hash]
                 block.hash = None
             block.ref_cnt = 1
             out.append(block_id)
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)  # nothing has written into them yet
         return out
 
     def touch(self, block_ids: Iterable[int]) -> None:
@@ -90,10 +100,16 @@ class BlockPool:
             block.hash = h
             self._cached[h] = block_id
 
+    def cached(self) -> list[tuple[bytes, int]]:
+        """Every (hash, block id) whose contents are cached."""
+        return list(self._cached.items())
+
     def evict_cached(self) -> None:
-        """Forget every cached prefix that no running request holds."""
-        for block_id in self._free:
-            block = self.blocks[block_id]
-            if block.hash is not None:
-                del self._cached[block.hash]
-                block.hash = None
+        """Drop every cached prefix that no running request holds (demoted, like any
+        eviction)."""
+        evicted = [(b, h) for b in self._free if (h := self.blocks[b].hash) is not None]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        for block_id, h in evicted:
+            del self._cached[h]
+            self.blocks[block_id].hash = None

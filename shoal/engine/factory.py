@@ -1,7 +1,7 @@
 """Builds an engine's parts from an `EngineConfig` and wires them, once, in dependency order:
-model → pool → runner → disk tier (and the shared session tier) → sessions → KV manager →
-scheduler → input and output processors. The `Engine` only runs the step loop over what it is
-given."""
+model → pool → runner → KV store (host memory, disk, the shared folder) → sessions → KV
+manager → scheduler → input and output processors. The `Engine` only runs the step loop over
+what it is given."""
 
 from __future__ import annotations
 
@@ -11,17 +11,16 @@ from typing import Any
 import torch
 
 from shoal.config import EngineConfig
+from shoal.engine.block_files import KVLayout
 from shoal.engine.block_pool import BlockPool
+from shoal.engine.block_store import BlockStore, build_store
 from shoal.engine.detokenizer import Detokenizer
-from shoal.engine.hashing import root_hash
 from shoal.engine.input_processor import InputProcessor
 from shoal.engine.kv_cache_manager import KVCacheManager
-from shoal.engine.kv_store import SessionStore
+from shoal.engine.kv_store import TorchBlockCodec
 from shoal.engine.model_runner import ModelRunner
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.scheduler import Scheduler
-from shoal.engine.session_files import KVLayout
-from shoal.engine.session_tier import SessionTier
 from shoal.engine.sessions import SessionManager
 from shoal.engine.structured import Grammars
 from shoal.models.config import ModelConfig
@@ -39,6 +38,7 @@ class EngineParts:
     bytes_per_block: int
     pool: BlockPool
     runner: ModelRunner
+    store: BlockStore
     sessions: SessionManager
     kv: KVCacheManager
     scheduler: Scheduler
@@ -65,11 +65,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         cfg.num_kv_heads,
         cfg.head_dim,
     )
-    store = SessionStore(runner, layout, config.cache_dir)
-    tier = SessionTier(layout, config.session_tier_dir, store) if config.session_tier_dir else None
-    sessions = SessionManager(pool, store, config.disk_cache_bytes, tier)
-    root = root_hash(f"{loaded.fingerprint}:{config.dtype}")
-    kv = KVCacheManager(pool, root, config.enable_prefix_caching, sessions)
+    store, sessions = build_store(
+        layout,
+        pool,
+        TorchBlockCodec(runner),
+        cache_dir=config.cache_dir,
+        host_kv_bytes=config.host_kv_bytes,
+        disk_kv_bytes=config.disk_kv_bytes,
+        shared_dir=config.session_tier_dir,
+    )
+    kv = KVCacheManager(pool, sessions.root, config.enable_prefix_caching, sessions)
     return EngineParts(
         config=config,
         model_name=loaded.name,
@@ -79,6 +84,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         bytes_per_block=bytes_per_block,
         pool=pool,
         runner=runner,
+        store=store,
         sessions=sessions,
         kv=kv,
         scheduler=Scheduler(config, kv, max_model_len),

@@ -30,3 +30,22 @@ def chain_hashes(
         parent = block_hash(parent, tokens[start : start + block_size])
         hashes.append(parent)
     return hashes
+
+
+def partial_hash(parent: bytes, tokens: Sequence[int]) -> bytes:
+    """The key of a block holding fewer than `block_size` tokens (a session's last block): its
+    own domain, so it never names a full block's KV."""
+    data = b"partial" + parent + array("q", tokens).tobytes()
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def session_hashes(
+    root: bytes, tokens: Sequence[int], block_size: int, known: Sequence[bytes] = ()
+) -> list[bytes]:
+    """The keys of every block holding `tokens`: the full blocks' chain, then the partly
+    filled last block's `partial_hash` when `tokens` ends inside a block."""
+    full = chain_hashes(root, tokens, block_size, known[: len(tokens) // block_size])
+    rest = len(tokens) % block_size
+    if rest:
+        full.append(partial_hash(full[-1] if full else root, tokens[len(tokens) - rest :]))
+    return full

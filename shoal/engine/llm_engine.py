@@ -13,12 +13,14 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine.factory import EngineParts, build_engine_parts
 from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.pins import CachePin
 from shoal.engine.requests import RequestTable
 from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
@@ -83,14 +85,18 @@ class Engine:
         *,
         priority: int = 0,
         session_id: str | None = None,
+        cache_pins: Iterable[CachePin] = (),
     ) -> str:
         """Validate and queue a request; returns its id. Raises typed errors for bad input.
 
         With `session_id`, the request reuses what its session holds (the KV of the session's
         last turn) and leaves its own KV to the session; it waits while the session is busy.
+        `cache_pins` name prefixes of its KV the store keeps longest once it ends (a client's
+        cache key, Anthropic's `cache_control` breakpoints).
         """
         self._requests.check_open()
         seq = self.inputs.process(prompt, params, request_id, priority, session_id)
+        seq.cache_pins = tuple(cache_pins)
         with self._requests.lock:
             self._requests.check_new(seq.request_id)
             self._requests[seq.request_id] = seq
@@ -152,6 +158,7 @@ class Engine:
         for kind, seq in items:
             if kind == "add":
                 self.scheduler.add(seq)
+                self.kv.prefetch(seq)
             elif not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
                 aborted.append(self._retire(seq))

@@ -9,11 +9,13 @@ backend's model stack; `create_engine` imports only the one asked for.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol
 
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
+from shoal.engine.pins import CachePin
 from shoal.engine.sessions import SessionInfo, SessionManager
 from shoal.engine.stats import EngineStats
 from shoal.outputs import RequestOutput
@@ -53,6 +55,7 @@ class EngineProtocol(Protocol):
         *,
         priority: int = 0,
         session_id: str | None = None,
+        cache_pins: Iterable[CachePin] = (),
     ) -> str: ...
 
     def abort(self, request_id: str) -> None: ...

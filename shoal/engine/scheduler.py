@@ -192,11 +192,12 @@ class Scheduler:
         n = min(seq.num_tokens - hit.num_tokens, budget)
         if self.kv.allocate_hit(seq, n, hit):
             return n, hit
-        if hit.session is None or self.running:
+        if hit.session is None or not hit.session.resident or self.running:
             return None
-        # Alone in an idle engine, only its own session's blocks can stand in the way.
+        # Alone in an idle engine, only its own session's blocks can stand in the way: given
+        # back to the pool, they stay cached there for the prefix to reuse.
         assert self.kv.sessions is not None
         self.kv.sessions.evict(hit.session)
-        hit = self.kv.find_prefix(seq, use_session=False)
+        hit = self.kv.find_prefix(seq)
         n = min(seq.num_tokens - hit.num_tokens, budget)
         return (n, hit) if self.kv.allocate_hit(seq, n, hit) else None

@@ -11,6 +11,7 @@ from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from shoal.engine.ngram import NgramIndex
+    from shoal.engine.pins import CachePin
 
 
 class SequenceStatus(enum.Enum):
@@ -33,6 +34,7 @@ class Sequence:
     priority: int = 0
     session_id: str | None = None
     prompt: str | None = None
+    cache_pins: tuple[CachePin, ...] = ()  # prefixes to keep pinned in the store once it ends
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

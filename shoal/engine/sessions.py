@@ -1,30 +1,34 @@
-"""Agent sessions: KV that outlives a request (pure Python, no torch).
+"""Agent sessions: named pins on the KV store (pure Python, no torch).
 
-A session keeps the token ids of its last turn and the pool blocks holding their KV, with one
-reference on each block, so idle session KV is not churned by the prefix cache (SGLang's
-`lock_ref`). `SessionManager` is the only writer of session state; a session is always in one
-of three states:
+A session is the token ids of its last turn and the keys of the blocks holding their KV
+(`hashing.session_hashes`: the full blocks' chain, then the partly filled last block), pinned
+in the store (`pins.py`) so host memory and disk keep them longest. While its KV is in the pool
+the session also holds one reference on each block, so idle session KV is not churned by the
+prefix cache (SGLang's `lock_ref`). `SessionManager` is the only writer of session state; a
+session is always in one of three states:
 
     RUNNING   one of its requests is in the running batch: the session is *pinned*
     RESIDENT  idle, its KV in the pool: evictable, least recently used first
-    SPILLED   idle, its KV only in the disk tier (or the shared tier): restored when a turn
-              reuses it
+    SPILLED   idle, its blocks in the store below the pool (host memory, disk, the shared
+              folder): a turn that reuses it promotes them back (`KVCacheManager.find_prefix`)
 
     (new) ──start──▶ RUNNING ──finish──▶ RESIDENT ──evict──▶ SPILLED
-                        ▲    ╰─finish (KV only on disk)─────────▶ │
+                        ▲    ╰─finish (nothing in the pool)────▶ │
                         ╰────────────── start ◀───────────────────┤ (RESIDENT too)
-    disk scan at start-up ──▶ SPILLED;  drop / a failed spill ──▶ (gone)
+    manifest scan at start-up ──▶ SPILLED;  drop / its pin given up for disk room ──▶ (gone)
 
-(A *block* is referenced, a *session* is running or pinned: the words are not mixed.) A
+(A *block* is referenced, a *session* is running or pinned: the words are not mixed.) Spilling
+a session only drops its references: its blocks stay cached in the pool and are demoted to host
+memory when the pool reuses them, so memory pressure costs no disk write on the step thread. A
 running session's request holds its own reference on every block it uses, so what the session
 holds beyond those can still be spilled (`make_room(..., include_running=True)`) when the only
-alternative is preempting a running request. Bytes move through `SessionIO` (the torch side is
-`kv_store`); this module decides what moves and when.
+alternative is preempting a running request.
 
-With a shared `SessionTier` (`session_tier.py`), every finished turn is also written behind to
-a folder other engines share, and an idle session is looked up there: a copy that covers more
-of the new prompt than this engine's (in the pool or on its disk) is adopted (SPILLED) and
-restored from the tier.
+Persisting a session (`flush`: on close, and when an idle server saves) puts its blocks on disk
+and writes a small manifest (`session_manifests.py`): blocks shared by many sessions are stored
+once. With a `SharedTier` (`shared_tier.py`), every finished turn is also written behind to a
+folder other engines share, and an idle session is looked up there: a copy that covers more of
+the new prompt than this engine's is adopted (SPILLED) and its blocks read from there.
 """
 
 from __future__ import annotations
@@ -33,15 +37,18 @@ import enum
 import time
 from collections import deque
 from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shoal.engine.block_pool import BlockPool, cdiv
+from shoal.engine.block_store import BlockStore
+from shoal.engine.hashing import session_hashes
 from shoal.engine.sequence import Sequence
-from shoal.engine.session_io import SessionIO
+from shoal.engine.session_manifests import SessionManifests
 
 if TYPE_CHECKING:
-    from shoal.engine.session_tier import SessionTier
+    from shoal.engine.shared_tier import SharedTier
 
 
 class SessionState(enum.Enum):
@@ -65,10 +72,10 @@ class Session:
     session_id: str
     state: SessionState
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV the session holds
+    hashes: list[bytes] = field(default_factory=list)  # keys of the blocks holding them
     block_ids: list[int] = field(default_factory=list)  # in-pool KV; empty when not resident
     last_used: float = field(default_factory=time.time)  # wall clock: it is persisted
-    saved: bool = False  # the disk tier holds exactly `token_ids`
-    tier_copy: Any = None  # the shared tier's manifest of `token_ids`, when restored from there
+    saved: bool = False  # a manifest of exactly `token_ids` is on disk, with its blocks
 
     @property
     def resident(self) -> bool:
@@ -99,33 +106,43 @@ class SessionStats:
     hits: int = 0  # admissions that reused some of their session's KV
     tokens_reused: int = 0  # prompt tokens of session requests served from session KV
     tokens_recomputed: int = 0  # prompt tokens of session requests that were computed
-    disk_reads: int = 0
-    disk_writes: int = 0
+    disk_reads: int = 0  # admissions that read session KV back from disk or the shared folder
+    disk_writes: int = 0  # sessions persisted (blocks on disk, then the manifest)
+    tier_reads: int = 0  # admissions that read session KV from the shared folder
     restore_latencies: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
 
     def restore_percentile(self, q: float) -> float:
-        """The q-quantile of recent disk restores, in seconds (nearest rank)."""
+        """The q-quantile of recent restores (reads below the pool), in seconds."""
         if not self.restore_latencies:
             return 0.0
         values = sorted(self.restore_latencies)
         return values[min(len(values) - 1, int(q * len(values)))]
 
 
+PIN = "session:"
+
+
 class SessionManager:
     def __init__(
-        self, pool: BlockPool, io: SessionIO, disk_cap_bytes: int, tier: SessionTier | None = None
+        self,
+        pool: BlockPool,
+        store: BlockStore,
+        root: bytes,
+        manifests: SessionManifests,
+        shared: SharedTier | None = None,
     ) -> None:
         self.pool = pool
-        self.io = io
-        self.disk_cap_bytes = disk_cap_bytes
-        self.tier = tier
+        self.store = store
+        self.root = root
+        self.manifests = manifests
+        self.shared = shared
         self.stats = SessionStats()
         self._sessions: dict[str, Session] = {}
-        for s in io.stored():
-            self._sessions[s.session_id] = Session(
-                s.session_id, SessionState.SPILLED, list(s.token_ids), [], s.last_used, True
-            )
-        self._enforce_disk_cap()
+        for m in manifests.scan():
+            session = Session(m.session_id, SessionState.SPILLED, last_used=m.last_used)
+            self._take_tokens(session, m.token_ids)
+            session.saved = True
+            self._sessions[m.session_id] = session
 
     # -- queries -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -139,14 +156,15 @@ class SessionManager:
 
     def find(self, session_id: str, prompt: list[int]) -> Session | None:
         """The session whose KV a turn with `prompt` should reuse: the one held here, unless it
-        is idle and the shared tier holds a copy covering more of `prompt` (another engine
+        is idle and the shared folder holds a copy covering more of `prompt` (another engine
         served the later turns, or this one died before saving): that copy is adopted, even over
-        an older copy in this pool. Reading a token's KV from the tier costs far less than
-        recomputing it (SmolLM2 in float32: 46 KB against ~0.27 GFLOP)."""
+        an older turn in this pool. Reading a token's KV costs far less than recomputing it
+        (SmolLM2 in float32: 46 KB against ~0.27 GFLOP)."""
+        self._forget_unpinned()
         session = self._sessions.get(session_id)
-        if self.tier is None or (session is not None and session.running):
+        if self.shared is None or (session is not None and session.running):
             return session
-        copy = self.tier.peek(session_id)
+        copy = self.shared.peek(session_id)
         if copy is None or (
             session is not None
             and common_prefix_len(session.token_ids, prompt)
@@ -159,7 +177,8 @@ class SessionManager:
             self.pool.free(reversed(session.block_ids))
             session.block_ids = []
             self._move(session, SessionState.SPILLED)
-        session.token_ids, session.saved, session.tier_copy = list(copy.token_ids), False, copy
+        self._take_tokens(session, copy.token_ids)
+        session.saved = False
         return session
 
     def infos(self) -> list[SessionInfo]:
@@ -177,7 +196,7 @@ class SessionManager:
             num_tokens=len(session.token_ids),
             num_blocks=len(session.block_ids),
             in_memory=session.resident,
-            on_disk=self.io.has(session.session_id),
+            on_disk=session.saved,
             saved=session.saved,
             running=session.running,
             last_used=session.last_used,
@@ -186,6 +205,12 @@ class SessionManager:
     def _move(self, session: Session, to: SessionState) -> None:
         assert (session.state, to) in _LEGAL, f"session {session.state} -> {to}"
         session.state = to
+
+    def _take_tokens(self, session: Session, token_ids: list[int], known: Seq[bytes] = ()) -> None:
+        """Make `token_ids` the session's KV, pinned in the store under the session's name."""
+        session.token_ids = list(token_ids)
+        session.hashes = session_hashes(self.root, token_ids, self.pool.block_size, known)
+        self.store.pins.pin(PIN + session.session_id, session.hashes)
 
     # -- a turn's life -------------------------------------------------------------------------
     def start(self, session_id: str, reused: bool) -> None:
@@ -200,8 +225,8 @@ class SessionManager:
 
     def finish(self, seq: Sequence, keep: bool) -> None:
         """The session's request left the batch. With `keep`, the session takes over the
-        request's computed KV (the blocks move from `seq.block_table`); otherwise (an abort) it
-        keeps what it had."""
+        request's computed KV (the blocks move from `seq.block_table`, published under their
+        keys); otherwise (an abort) it keeps what it had."""
         assert seq.session_id is not None
         session = self._sessions.get(seq.session_id)
         if session is None:  # dropped while its request ran: this turn starts it afresh
@@ -213,51 +238,30 @@ class SessionManager:
             kept = cdiv(n, self.pool.block_size)
             old = session.block_ids
             session.block_ids, seq.block_table = seq.block_table[:kept], seq.block_table[kept:]
-            session.token_ids = seq.tokens_slice(0, n)
-            session.saved, session.tier_copy = False, None
+            self._take_tokens(session, seq.tokens_slice(0, n), seq.block_hashes)
+            for block_id, h in zip(session.block_ids, session.hashes, strict=True):
+                self.pool.cache(block_id, h)
+            session.saved = False
             session.last_used = time.time()
             self.pool.free(reversed(old))
-            if self.tier is not None:
-                self.tier.publish(
-                    session.session_id, session.token_ids, session.block_ids, session.last_used
+            if self.shared is not None:
+                blocks = dict(zip(session.hashes, session.block_ids, strict=True))
+                self.shared.publish(
+                    session.session_id, session.token_ids, blocks, session.last_used
                 )
         self._settle(session)
 
     def _settle(self, session: Session) -> None:
-        """An idle session lands where its KV is: the pool, the disk, or nowhere."""
+        """An idle session lands where its KV is: the pool, or the store below it."""
         if session.resident:
             self._move(session, SessionState.RESIDENT)
-        elif session.saved:
+        elif session.token_ids:
             self._move(session, SessionState.SPILLED)
-        else:  # nothing left to reuse (a stale disk copy of an older turn goes too)
-            del self._sessions[session.session_id]
-            self.io.delete(session.session_id)
-
-    def restore(self, session: Session) -> bool:
-        """Bring a spilled session's disk copy back into the pool; False if no room or unusable."""
-        assert session.state is SessionState.SPILLED
-        num_blocks = cdiv(len(session.token_ids), self.pool.block_size)
-        if not self.make_room(num_blocks, protect=session):
-            return False
-        start = time.perf_counter()
-        if session.tier_copy is not None:
-            assert self.tier is not None
-            data = self.tier.load(session.tier_copy)
-        else:
-            data = self.io.load(session.session_id, session.token_ids)
-        if data is None:  # corrupt or mismatched: discarded (with a warning), so recompute
-            del self._sessions[session.session_id]
-            return False
-        self.stats.disk_reads += 1
-        session.block_ids = self.pool.allocate(num_blocks)
-        session.tier_copy = None
-        self.io.restore(data, session.block_ids)
-        self._move(session, SessionState.RESIDENT)
-        self.stats.restore_latencies.append(time.perf_counter() - start)
-        return True
+        else:  # nothing left to reuse
+            self._forget(session)
 
     def copy_block(self, src: int, dst: int) -> None:
-        self.io.copy_block(src, dst)
+        self.store.codec.copy_block(src, dst)
 
     # -- memory pressure -----------------------------------------------------------------------
     def make_room(
@@ -286,63 +290,73 @@ class SessionManager:
         return min(candidates, key=lambda s: s.last_used) if candidates else None
 
     def evict(self, session: Session) -> None:
-        """Give a session's blocks back, spilling its KV to disk first unless already there."""
-        if not session.saved:
-            self._save(session)
+        """Give a session's blocks back to the pool: they stay cached there, and are demoted
+        to host memory when the pool reuses them."""
         self.pool.free(reversed(session.block_ids))
         session.block_ids = []
-        if session.running:
-            if not session.saved:
-                session.token_ids = []  # lost: the running turn refills it when it ends
-        else:
+        if not session.running:
             self._settle(session)
-
-    def _save(self, session: Session) -> None:
-        sid = session.session_id
-        if self.io.save(sid, session.token_ids, session.block_ids, session.last_used):
-            session.saved = True
-            self.stats.disk_writes += 1
-            self._enforce_disk_cap(keep=session)
-
-    def _enforce_disk_cap(self, keep: Session | None = None) -> None:
-        """Delete disk copies, least recently used first (`keep` last), until under the cap."""
-        while self.io.disk_bytes > self.disk_cap_bytes:
-            on_disk = [s for s in self._sessions.values() if self.io.has(s.session_id)]
-            if not on_disk:
-                return
-            victim = min(on_disk, key=lambda s: (s is keep, s.last_used))
-            self.io.delete(victim.session_id)
-            victim.saved = False
-            if victim.state is SessionState.SPILLED:
-                del self._sessions[victim.session_id]
 
     # -- control -------------------------------------------------------------------------------
     def flush(self) -> int:
-        """Save every resident session whose disk copy is missing or stale; returns how many.
-        Turns queued for the shared tier are written first."""
-        if self.tier is not None:
-            self.tier.drain()
-        if not self.io.persistent:
+        """Persist every session whose manifest is missing or stale: its blocks on disk, then
+        its manifest; returns how many. Turns queued for the shared folder are written first,
+        and every other cached block goes to disk too (a conversation resent whole, with no
+        session, finds its prefix after a restart)."""
+        if self.shared is not None:
+            self.shared.drain()
+        if not self.manifests.persistent:
             return 0
+        self._forget_unpinned()
+        self.store.write_back()
         saved = 0
         for session in list(self._sessions.values()):
-            if session.resident and not session.saved:
-                self._save(session)
-                saved += session.saved
+            if session.saved or not session.token_ids:
+                continue
+            blocks = dict(zip(session.hashes, session.block_ids, strict=False))
+            n = self.store.persist(session.hashes, blocks)
+            if n < len(session.hashes):  # only a prefix is left anywhere: keep that
+                session.token_ids = session.token_ids[: n * self.pool.block_size]
+                session.hashes = session.hashes[:n]
+            if session.token_ids and self.manifests.write(
+                session.session_id, session.token_ids, session.last_used
+            ):
+                session.saved = True
+                self.stats.disk_writes += 1
+                saved += 1
         return saved
 
     def drop(self, session_id: str) -> bool:
-        """Forget a session's KV in memory, on disk and in the shared tier; a request of it
+        """Forget a session's KV in memory, on disk and in the shared folder; a request of it
         keeps its own blocks."""
-        session = self._sessions.pop(session_id, None)
-        self.io.delete(session_id)
-        if self.tier is not None:
-            self.tier.delete(session_id)
+        session = self._sessions.get(session_id)
+        if self.shared is not None:
+            self.shared.delete(session_id)
         if session is None:
+            self.manifests.delete(session_id)
             return False
+        self._forget(session)
         self.pool.free(reversed(session.block_ids))
         session.block_ids = []
         return True
+
+    def _forget(self, session: Session) -> None:
+        del self._sessions[session.session_id]
+        self.store.pins.unpin(PIN + session.session_id)
+        self.manifests.delete(session.session_id)
+
+    def _forget_unpinned(self) -> None:
+        """Sessions whose pin the disk tier gave up for room are forgotten (when idle and out
+        of the pool), or at least no longer saved."""
+        for name in self.store.disk.take_unpinned():
+            session = self._sessions.get(name.removeprefix(PIN)) if name.startswith(PIN) else None
+            if session is None or self.store.pins.get(name) is not None:
+                continue
+            if session.state is SessionState.SPILLED:
+                self._forget(session)
+            else:
+                session.saved = False
+                self.manifests.delete(session.session_id)
 
 
 def common_prefix_len(a: list[int], b: list[int]) -> int:

@@ -37,16 +37,32 @@ class EngineStats:
     session_hits: int = _stat("counter", "Session requests admitted reusing their session's KV.")
     session_tokens_reused: int = _stat("counter", "Prompt tokens of session requests not computed.")
     session_tokens_recomputed: int = _stat("counter", "Prompt tokens of session requests computed.")
-    disk_reads: int = _stat("counter", "Session KV restores read from disk.")
-    disk_writes: int = _stat("counter", "Session KV copies written to disk.")
-    restore_latency_p50_ms: float = _stat(
-        "gauge", "Median session restore (disk read, validation, copy into the pool), ms."
+    disk_reads: int = _stat(
+        "counter", "Session admissions that read KV back from disk or the shared folder."
     )
-    restore_latency_p95_ms: float = _stat("gauge", "95th percentile session restore, ms.")
-    tier_writes: int = _stat("counter", "Finished turns written to the shared session tier.")
-    tier_reads: int = _stat("counter", "Sessions restored from the shared session tier.")
-    tier_write_failures: int = _stat("counter", "Turns the shared session tier failed to write.")
-    tier_pending: int = _stat("gauge", "Turns queued for the shared session tier.")
+    disk_writes: int = _stat("counter", "Sessions persisted (blocks on disk, then a manifest).")
+    restore_latency_p50_ms: float = _stat(
+        "gauge", "Median read of a session's KV from below the pool (checked), ms."
+    )
+    restore_latency_p95_ms: float = _stat("gauge", "95th percentile session KV read, ms.")
+    kv_host_blocks: int = _stat("gauge", "KV blocks held in host memory.")
+    kv_host_bytes: int = _stat("gauge", "Bytes of KV blocks held in host memory.")
+    kv_host_hits: int = _stat("counter", "Prefix lookups that found a block in host memory.")
+    kv_host_promotions: int = _stat("counter", "Blocks copied from host memory into the pool.")
+    kv_host_demotions: int = _stat("counter", "Blocks the pool evicted, copied to host memory.")
+    kv_disk_blocks: int = _stat("gauge", "KV blocks held on the local disk.")
+    kv_disk_bytes: int = _stat("gauge", "Bytes of KV block files on the local disk.")
+    kv_disk_hits: int = _stat("counter", "Prefix lookups that found a block on disk.")
+    kv_disk_promotions: int = _stat("counter", "Blocks read from disk back into the pool.")
+    kv_disk_demotions: int = _stat("counter", "Blocks queued for the disk (host overflow, saves).")
+    kv_disk_dropped: int = _stat("counter", "Unpinned blocks not written: the disk queue was full.")
+    kv_shared_hits: int = _stat("counter", "Lookups that found a block in the shared folder.")
+    kv_shared_promotions: int = _stat("counter", "Blocks read from the shared folder to the pool.")
+    kv_pins: int = _stat("gauge", "Named pins (sessions, cache keys, breakpoints) on stored KV.")
+    tier_writes: int = _stat("counter", "Finished turns written to the shared folder.")
+    tier_reads: int = _stat("counter", "Session admissions that read KV from the shared folder.")
+    tier_write_failures: int = _stat("counter", "Turns the shared folder failed to take.")
+    tier_pending: int = _stat("gauge", "Turns queued for the shared folder.")
     tier_lag_p95_ms: float = _stat(
         "gauge", "95th percentile lag from a turn's end to its durable tier copy, ms."
     )
@@ -105,7 +121,8 @@ class EngineStats:
             disk_writes=ss.disk_writes,
             restore_latency_p50_ms=1e3 * ss.restore_percentile(0.50),
             restore_latency_p95_ms=1e3 * ss.restore_percentile(0.95),
-            **_tier_stats(sessions),
+            tier_reads=ss.tier_reads,
+            **_store_stats(sessions),
             **_grammar_stats(grammars),
             spec_draft_tokens=spec_draft_tokens,
             spec_accepted_tokens=spec_accepted_tokens,
@@ -126,16 +143,30 @@ def _grammar_stats(grammars: Any) -> dict[str, Any]:
     }
 
 
-def _tier_stats(sessions: SessionManager) -> dict[str, Any]:
-    tier = sessions.tier
-    if tier is None:
-        return {}
-    ts = tier.stats
-    return {
-        "tier_writes": ts.writes,
-        "tier_reads": ts.reads,
-        "tier_write_failures": ts.write_failures,
-        "tier_pending": tier.pending,
-        "tier_lag_p95_ms": 1e3 * ts.lag_percentile(0.95),
-        "tier_lag_max_ms": 1e3 * ts.max_lag,
+def _store_stats(sessions: SessionManager) -> dict[str, Any]:
+    store = sessions.store
+    t = store.stats.tiers
+    out: dict[str, Any] = {
+        "kv_host_blocks": len(store.host),
+        "kv_host_bytes": store.host.stored_bytes,
+        "kv_disk_blocks": len(store.disk),
+        "kv_disk_bytes": store.disk.stored_bytes,
+        "kv_disk_dropped": store.disk.dropped,
+        "kv_pins": len(store.pins),
     }
+    for tier in ("host", "disk", "shared"):
+        out[f"kv_{tier}_hits"] = t[tier].hits
+        out[f"kv_{tier}_promotions"] = t[tier].promotions
+    out["kv_host_demotions"] = t["host"].demotions
+    out["kv_disk_demotions"] = t["disk"].demotions
+    shared = store.shared
+    if shared is not None:
+        st = shared.stats
+        out.update(
+            tier_writes=st.writes,
+            tier_write_failures=st.write_failures,
+            tier_pending=shared.pending,
+            tier_lag_p95_ms=1e3 * st.lag_percentile(0.95),
+            tier_lag_max_ms=1e3 * st.max_lag,
+        )
+    return out

@@ -304,16 +304,17 @@ class CpuKernels:
             _threads(),
         )
 
-    # -- whole blocks, for session saves and restores -------------------------------------------
+    # -- whole blocks, for the KV store's demotions and promotions ------------------------------
     def scatter_blocks(
-        self, src: torch.Tensor, caches: list[torch.Tensor], block_ids: torch.Tensor
+        self, srcs: list[int], caches: list[torch.Tensor], block_ids: torch.Tensor
     ) -> None:
-        """`caches[c][block_ids[b]] = src[c, b]` for contiguous `src` `[caches, blocks, ...]`."""
-        assert src.is_contiguous() and all(c.is_contiguous() for c in caches)
+        """`caches[c][block_ids[b]] = block b's bytes [c]`, each block one buffer
+        `[caches, block bytes]` at address `srcs[b]`."""
+        assert all(c.is_contiguous() for c in caches) and len(srcs) == len(block_ids)
         ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
         block_bytes = caches[0][0].numel() * caches[0].element_size()
         self._fn("scatter_blocks")(
-            src.data_ptr(),
+            (ctypes.c_void_p * len(srcs))(*srcs),
             ptrs,
             len(caches),
             block_ids.data_ptr(),
@@ -322,15 +323,18 @@ class CpuKernels:
             _threads(),
         )
 
-    def gather_blocks(self, caches: list[torch.Tensor], block_ids: torch.Tensor) -> torch.Tensor:
-        """`out[c, b] = caches[c][block_ids[b]]`, a new contiguous tensor."""
+    def gather_blocks(
+        self, caches: list[torch.Tensor], block_ids: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """Each block's bytes in every cache, one new uint8 tensor `[caches * block bytes]` per
+        block (so each can outlive the others)."""
         assert all(c.is_contiguous() for c in caches)
         first = caches[0]
-        out = torch.empty((len(caches), len(block_ids), *first.shape[1:]), dtype=first.dtype)
-        ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
         block_bytes = first[0].numel() * first.element_size()
+        out = [torch.empty(len(caches) * block_bytes, dtype=torch.uint8) for _ in block_ids]
+        ptrs = (ctypes.c_void_p * len(caches))(*[c.data_ptr() for c in caches])
         self._fn("gather_blocks")(
-            out.data_ptr(),
+            (ctypes.c_void_p * len(out))(*[t.data_ptr() for t in out]),
             ptrs,
             len(caches),
             block_ids.data_ptr(),

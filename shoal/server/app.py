@@ -28,7 +28,7 @@ from shoal.engine.protocol import EngineProtocol, create_engine
 from shoal.quota.errors import QuotaError
 from shoal.quota.http import create_router
 from shoal.quota.metrics import QuotaMetrics
-from shoal.server import batches, files, routes
+from shoal.server import batches, files, kv_routes, routes
 from shoal.server.anthropic import batches as anthropic_batches
 from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_runner import BatchRunner
@@ -127,6 +127,7 @@ def create_app(
     install_handlers(app)
     app.include_router(routes.router)
     app.include_router(responses_routes.router)
+    app.include_router(kv_routes.router)
     app.include_router(files.router)
     app.include_router(batches.router)
     app.include_router(anthropic_messages.router)

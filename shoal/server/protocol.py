@@ -40,6 +40,8 @@ class _Sampling(_Request):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     user: str | None = None
     session_id: str | None = Field(None, min_length=1, max_length=256)
+    # OpenAI's cache hint: this conversation's KV is kept in the store like a session's.
+    prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
     # Extensions (vLLM-style): accepted by shoal, ignored by OpenAI.
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)

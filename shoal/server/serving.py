@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from shoal.engine.async_engine import AsyncEngine
+from shoal.engine.pins import CachePin
 from shoal.engine.protocol import EngineProtocol
 from shoal.outputs import RequestOutput
 from shoal.sampling_params import SamplingParams, StructuredOutput
@@ -110,6 +111,8 @@ def _prepared(
     sid = session_id or req.session_id  # the X-Session-Id header wins over the body
     if sid:
         engine_kwargs["session_id"] = sid
+    elif req.prompt_cache_key:  # a hint, not a session: no turn waits for another
+        engine_kwargs["cache_pins"] = (CachePin(f"key:openai:{req.prompt_cache_key}"),)
     return Prepared(
         chat=chat,
         rid=new_id("chatcmpl-" if chat else "cmpl-"),

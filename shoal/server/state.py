@@ -51,6 +51,7 @@ class ServerConfig:
     responses_max_age_s: float = 30 * 86400.0  # and for at most this long
     batch_gate: Path | None = None  # a test hook: see `server.line_gate`
     schema_limits: SchemaLimits = field(default_factory=SchemaLimits)  # `--max-schema-*`
+    keep_billing_header: bool = False  # Claude Code's per-request system line (`anthropic/caching`)
 
     @property
     def store_url(self) -> str:

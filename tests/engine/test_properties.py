@@ -8,10 +8,14 @@ writes only to blocks it holds alone. The fake "model" picks the next token from
 token history, so a recomputed request must reproduce exactly what it would have said alone.
 With speculation on, it verifies draft tokens as the real runner does (each draft kept while it
 is the fake model's own choice), and what a rejected draft wrote must never be read as KV.
+The fake is also the KV store's codec: a block the pool evicts carries its simulated slots
+down to host memory and disk (tiny tiers, so blocks are dropped too) and back into whatever
+pool block a later prefix hit promotes it to, where the same checks read it.
 """
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from typing import Any
 
@@ -46,12 +50,36 @@ def fake_next_token(tokens: list[int]) -> int:
 
 
 class SimulatedKVRunner:
-    """Stands in for ModelRunner: checks what a step reads, records what it writes."""
+    """Stands in for ModelRunner: checks what a step reads, records what it writes; and for
+    the store's `BlockCodec`: a block's bytes are its slots' prefix keys."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.slots: dict[tuple[int, int], int] = {}  # (block, offset) -> key of the prefix
         self.num_steps = 0
+        self.block_nbytes = engine.kv.store.codec.block_nbytes  # type: ignore[union-attr]
+        assert self.block_nbytes >= 16 * engine.pool.block_size
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        out = []
+        for b in block_ids:
+            cells = [self.slots.get((b, i)) for i in range(self.engine.pool.block_size)]
+            packed = array("q", [x for c in cells for x in ((0, 0) if c is None else (1, c))])
+            out.append(packed.tobytes().ljust(self.block_nbytes, b"\0"))
+        return out
+
+    def write_blocks(self, block_ids: list[int], payloads: list[Any]) -> None:
+        bs = self.engine.pool.block_size
+        for b, payload in zip(block_ids, payloads, strict=True):
+            cells = array("q", bytes(payload)[: 16 * bs])
+            for i in range(bs):
+                if cells[2 * i]:
+                    self.slots[(b, i)] = cells[2 * i + 1]
+                else:
+                    self.slots.pop((b, i), None)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.write_blocks([dst], self.read_blocks([src]))
 
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
         pool = self.engine.pool
@@ -188,6 +216,9 @@ def engine_configs(draw: st.DrawFn) -> dict:
         "num_speculative_tokens": draw(st.sampled_from([0, 0, 1, 3])),
         "prompt_lookup_min": draw(st.sampled_from([1, 2])),
         "prompt_lookup_max": 2,
+        # Host memory and disk of a few blocks (the tiny model's block is a few KiB), or room.
+        "host_kv_bytes": draw(st.sampled_from([0, 1 << 14, 1 << 30])),
+        "disk_kv_bytes": draw(st.sampled_from([1 << 14, 1 << 30])),
     }
 
 
@@ -205,6 +236,7 @@ def tiny_path(tiny_model_dir) -> str:
 def test_random_workloads_keep_the_pool_whole(tiny_path: str, config: dict, ops: list) -> None:
     engine = Engine(EngineConfig(model=tiny_path, dtype="float32", batch_wait_s=0.0, **config))
     engine.runner = SimulatedKVRunner(engine)  # type: ignore[assignment]
+    engine.kv.store.codec = engine.runner  # type: ignore[union-attr]
     guard_allocate(engine)
     block_size, num_blocks = config["block_size"], config["num_blocks"]
     max_len = engine.max_model_len
@@ -270,6 +302,8 @@ def test_random_workloads_keep_the_pool_whole(tiny_path: str, config: dict, ops:
     stats = engine.stats()
     event(f"preempted: {stats.num_preemptions > 0}")
     event(f"prefix hits: {stats.prefix_cache_hit_rate > 0}")
+    event(f"promoted from host: {stats.kv_host_promotions > 0}")
+    event(f"promoted from disk: {stats.kv_disk_promotions > 0}")
     event(f"aborted: {any(o.finish_reason == 'abort' for o in final.values())}")
     event(f"drafts kept: {stats.spec_accepted_tokens > 0}")
     event(f"drafts rejected: {stats.spec_draft_tokens > stats.spec_accepted_tokens}")

@@ -1,10 +1,12 @@
 """Agent sessions on a tiny float64 model: greedy multi-turn outputs with session KV reuse (in
-memory, spilled to disk, after a restart, from damaged files) equal outputs computed from
-scratch, token for token; deferral keeps FIFO order; the pool is whole after every workload.
+memory, spilled to host memory or disk, after a restart, from damaged files) equal outputs
+computed from scratch, token for token; deferral keeps FIFO order; the pool is whole after
+every workload.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import warnings
 from collections.abc import Callable
@@ -14,7 +16,9 @@ from typing import Any
 import pytest
 
 from shoal import LLM, Engine, SamplingParams
-from shoal.engine.session_files import session_key
+from shoal.engine.block_files import HEADER
+from shoal.engine.hashing import root_hash, session_hashes
+from shoal.engine.session_manifests import manifest_name
 
 BLOCK = 4
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -116,13 +120,21 @@ def test_sessions_in_memory_match_no_cache(model: Path, reference: Conversation)
     assert_pool_whole(engine)
 
 
-def test_sessions_spilled_to_disk_match_no_cache(model: Path, reference: Conversation) -> None:
-    engine = make_engine(model, num_blocks=26)  # two sessions' contexts do not fit together
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sessions_spilled_below_the_pool_match_no_cache(
+    model: Path, reference: Conversation, tier: str
+) -> None:
+    host = 1 << 30 if tier == "host" else 0  # no host memory: every eviction goes to disk
+    engine = make_engine(model, num_blocks=26, host_kv_bytes=host)  # two contexts do not fit
     conv = Conversation()
     conv.play(engine, range(TURNS))
     assert conv.outputs == reference.outputs
     stats = engine.stats()
-    assert stats.disk_writes > 0 and stats.disk_reads > 0
+    assert stats.kv_host_demotions > 0
+    if tier == "host":
+        assert stats.kv_host_promotions > 0 and stats.kv_disk_demotions == 0
+    else:
+        assert stats.kv_disk_promotions > 0 and stats.disk_reads > 0
     assert stats.restore_latency_p95_ms >= stats.restore_latency_p50_ms > 0
     assert_pool_whole(engine)
 
@@ -154,20 +166,26 @@ def reference_history(reference: Conversation, conv: Conversation, t: int) -> li
     ]
 
 
-def damage(folder: Path, how: str) -> None:
-    key = session_key("beta")
-    tensor = next(folder.glob(f"{key}.*.safetensors"))
-    manifest = folder / f"{key}.json"
-    if how == "corrupt":
-        data = bytearray(tensor.read_bytes())
-        data[len(data) // 2] ^= 0xFF
-        tensor.write_bytes(bytes(data))
-    elif how == "truncated":
-        tensor.write_bytes(tensor.read_bytes()[:-100])
-    elif how == "mismatched":
-        manifest.write_text(manifest.read_text().replace('"fingerprint": "', '"fingerprint": "x'))
-    elif how == "garbage-manifest":
+def damage(cache: Path, how: str) -> None:
+    """Damage the first block of session "beta" that no other session shares (or its
+    manifest)."""
+    (folder,) = [p for p in cache.iterdir() if p.is_dir()]
+    manifest = folder / "sessions" / manifest_name("beta")
+    if how == "garbage-manifest":
         manifest.write_text("{not json")
+        return
+    m = json.loads(manifest.read_text())
+    root = root_hash(f"{m['fingerprint']}:{m['dtype']}:{m['block_size']}")
+    h = session_hashes(root, m["token_ids"], BLOCK)[2]  # blocks 0-1: the shared system prompt
+    block = folder / "blocks" / h.hex()[:2] / f"{h.hex()}.kv"
+    data = bytearray(block.read_bytes())
+    if how == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+    elif how == "truncated":
+        data = data[:-100]
+    elif how == "mismatched":  # the header names another block
+        data[HEADER.size - 17] ^= 0xFF
+    block.write_bytes(bytes(data))
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncated", "mismatched", "garbage-manifest"])
@@ -178,17 +196,20 @@ def test_damaged_file_is_discarded_and_recomputed(
     first = make_engine(model, cache_dir=str(tmp_path))
     conv.play(first, range(2))
     first.close()
-    (folder,) = [p for p in tmp_path.iterdir() if p.is_dir()]
-    damage(folder, how)
+    damage(tmp_path, how)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         second = make_engine(model, cache_dir=str(tmp_path))
         conv.play(second, range(2, 3))
-    assert any("beta" in str(w.message) or ".json" in str(w.message) for w in caught)
     assert conv.outputs == reference.outputs[:3]
     assert conv.cached[2][0] > 0 and conv.cached[2][2] > 0  # the others were restored
-    assert conv.cached[2][1] < len(conv.history[1]) // 2  # beta recomputed
-    assert second.stats().disk_reads == 2
+    if how == "garbage-manifest":  # the session is forgotten; its blocks still serve its prefix
+        assert any("session manifest" in str(w.message) for w in caught)
+        assert conv.cached[2][1] > 0
+    else:
+        assert any("KV block" in str(w.message) for w in caught)
+        assert conv.cached[2][1] == 2 * BLOCK  # beta recomputed past the shared blocks
+        assert second.stats().disk_reads == 2
     assert_pool_whole(second)
 
 
@@ -229,11 +250,12 @@ def test_llm_api_sessions_and_context_manager(model: Path, tmp_path: Path) -> No
         assert llm.sessions.drop("y") and "y" not in llm.sessions
         again = llm.generate(prompts[0] + outs[0].token_ids + [3], GREEDY, session_id="x")
         assert again[0].num_cached_tokens == info.num_tokens
-    assert (next(tmp_path.iterdir()) / f"{session_key('x')}.json").exists()
+    sessions = next(tmp_path.iterdir()) / "sessions"
+    assert (sessions / manifest_name("x")).exists()
     reopened = LLM(
         str(model), dtype="float64", block_size=BLOCK, cache_dir=str(tmp_path), num_blocks=256
     )
     (info,) = reopened.sessions.list()
     assert info.session_id == "x" and info.on_disk and not info.in_memory
     reopened.sessions.clear()
-    assert len(reopened.sessions) == 0 and not list(next(tmp_path.iterdir()).iterdir())
+    assert len(reopened.sessions) == 0 and not list(sessions.iterdir())

@@ -1,10 +1,10 @@
 """kill -9 in the middle of saving a session: what a restart then uses is whole.
 
 A child process saves one version of a session, computes a second turn, and starts saving it
-with `os.fsync` made to hang at the k-th call (tensor file, its rename, manifest, its rename);
-the parent kills it there with SIGKILL. A new engine on the same folder must sweep the debris,
-restore either the old version or the new one, never a mix, and give the same tokens as an
-engine with no cache at all.
+(its blocks, then its manifest) with `os.fsync` made to hang at the k-th call (the manifest's
+temporary file, the folder after its rename); the parent kills it there with SIGKILL. A new
+engine on the same folder must sweep the debris, restore either the old version or the new
+one, never a mix, and give the same tokens as an engine with no cache at all.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def turn(engine: Engine, prompt: list[int], session: str | None) -> tuple[list[i
     return result
 
 
-@pytest.mark.parametrize("hang_at", [1, 2, 4])  # tensor temporary, orphan tensor, committed
+@pytest.mark.parametrize("hang_at", [1, 2])  # manifest temporary, committed
 def test_kill_during_save_never_leaves_a_used_partial_file(
     tiny_model_dir: Callable[[str], Path], tmp_path: Path, hang_at: int
 ) -> None:
@@ -104,12 +104,14 @@ def test_kill_during_save_never_leaves_a_used_partial_file(
 
     restarted = engine(cache_dir=str(cache))
     (folder,) = list(cache.iterdir())
-    names = sorted(p.suffix for p in folder.iterdir())
-    assert names == [".json", ".safetensors"]  # temporaries and orphans swept
+    assert not list(folder.rglob("*.tmp"))  # temporaries swept
+    assert len(list((folder / "sessions").iterdir())) == 1
     (info,) = restarted.list_sessions()
-    version = p2 + o2 if hang_at == 4 else P1 + o1  # the manifest's rename is the commit point
+    version = p2 + o2 if hang_at == 2 else P1 + o1  # the manifest's rename is the commit point
     assert info.num_tokens == len(version) - 1
     tokens, cached = turn(restarted, p3, "s")
     assert tokens == o3
-    assert cached == info.num_tokens
+    # At least the saved version; blocks of the newer turn that reached the disk serve too
+    # (they are named by their contents, so they cannot be another version's).
+    assert cached >= info.num_tokens
     assert restarted.stats().disk_reads == 1

@@ -5,23 +5,25 @@ while-pinned block shows up as a slot holding the wrong token.
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from shoal.config import EngineConfig
+from shoal.engine.block_files import KVLayout
 from shoal.engine.block_pool import BlockPool
-from shoal.engine.hashing import root_hash
+from shoal.engine.block_store import build_store
+from shoal.engine.host_tier import Payload
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sequence import Sequence, SequenceStatus
-from shoal.engine.session_io import StoredSession
-from shoal.engine.sessions import SessionManager
 from shoal.sampling_params import SamplingParams
 
 BS = 4
 SYSTEM = [7, 8, 9, 10, 11, 12]
+SLOT = 8  # bytes a fake KV slot takes: the token id whose KV it holds (-1: nothing)
 
 
 def next_token(seq: Sequence) -> int:
@@ -29,15 +31,15 @@ def next_token(seq: Sequence) -> int:
 
 
 @dataclass
-class FakeIO:
-    """`SessionIO` over slot contents: `content[block][i]` is the token whose KV sits there."""
+class FakeCodec:
+    """`BlockCodec` over slot contents: `content[block][i]` is the token whose KV sits there,
+    and a block's bytes are those token ids, so a block that comes back from host memory or
+    disk shows where it has been."""
 
     content: dict[int, list[int | None]] = field(default_factory=dict)
-    disk: dict[str, list[int]] = field(default_factory=dict)
-    saves: int = 0
-    loads: int = 0
-    persistent: bool = True
-    disk_bytes: int = 0
+    block_nbytes: int = BS * SLOT
+    reads: int = 0
+    writes: int = 0
 
     def tokens_in(self, block_ids: list[int], n: int) -> list[int | None]:
         return [self.content.get(block_ids[p // BS], [None] * BS)[p % BS] for p in range(n)]
@@ -45,51 +47,73 @@ class FakeIO:
     def copy_block(self, src: int, dst: int) -> None:
         self.content[dst] = list(self.content.get(src, [None] * BS))
 
-    def save(self, session_id: str, token_ids: list[int], block_ids: list[int], _: float) -> bool:
-        assert self.tokens_in(block_ids, len(token_ids)) == token_ids
-        self.disk[session_id] = list(token_ids)
-        self.saves += 1
-        return True
+    def read_blocks(self, block_ids: list[int]) -> list[Payload]:
+        self.reads += len(block_ids)
+        return [
+            array("q", [-1 if t is None else t for t in self.content.get(b, [None] * BS)]).tobytes()
+            for b in block_ids
+        ]
 
-    def load(self, session_id: str, token_ids: list[int]) -> list[int] | None:
-        data = self.disk.get(session_id)
-        self.loads += 1
-        if data != token_ids:
-            self.disk.pop(session_id, None)  # unusable: discarded
-            return None
-        return list(data)
-
-    def delete(self, session_id: str) -> None:
-        self.disk.pop(session_id, None)
-
-    def has(self, session_id: str) -> bool:
-        return session_id in self.disk
-
-    def stored(self) -> list[StoredSession]:
-        return []
-
-    def restore(self, data: list[int], block_ids: list[int]) -> None:
-        for p, tok in enumerate(data):
-            self.content.setdefault(block_ids[p // BS], [None] * BS)[p % BS] = tok
+    def write_blocks(self, block_ids: list[int], payloads: list[Payload]) -> None:
+        self.writes += len(block_ids)
+        for b, p in zip(block_ids, payloads, strict=True):
+            self.content[b] = [None if t < 0 else t for t in array("q", bytes(p))]
 
 
 class World:
-    def __init__(self, num_blocks: int, budget: int, max_seqs: int, prefix: bool) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        budget: int,
+        max_seqs: int,
+        prefix: bool,
+        host_blocks: int = 64,
+        disk_blocks: int = 1 << 10,
+    ) -> None:
         self.config = EngineConfig(
             block_size=BS,
             max_num_batched_tokens=budget,
             max_num_seqs=max_seqs,
             batch_wait_s=0.0,
             enable_prefix_caching=prefix,
+            host_kv_bytes=host_blocks * BS * SLOT,
+            disk_kv_bytes=disk_blocks * (BS * SLOT + 38),
         )
         self.pool = BlockPool(num_blocks, BS)
-        self.io = FakeIO()
-        self.table = SessionManager(self.pool, self.io, disk_cap_bytes=1 << 30)
-        self.kv = KVCacheManager(self.pool, root_hash("fake"), prefix, self.table)
+        self.io = FakeCodec()
+        layout = KVLayout("fake", "int64", BS, 1, 1, 1)
+        self.store, self.table = build_store(
+            layout,
+            self.pool,
+            self.io,
+            cache_dir=None,
+            host_kv_bytes=self.config.host_kv_bytes,
+            disk_kv_bytes=self.config.disk_kv_bytes,
+        )
+        self.kv = KVCacheManager(self.pool, self.table.root, prefix, self.table)
         self.sched = Scheduler(self.config, self.kv, 10_000)
         self.history: dict[str, list[int]] = {}
         self.seqs: list[Sequence] = []
         self.started: list[Sequence] = []
+
+    def churn(self) -> None:
+        """Other traffic takes every free block: idle sessions give theirs back, and all the
+        pool had cached goes down to host memory (and on to disk)."""
+        self.table.make_room(self.pool.num_blocks)
+        taken = self.pool.allocate(self.pool.num_free)
+        for b in taken:
+            self.io.content.pop(b, None)  # overwritten by the other traffic
+        self.pool.free(taken)
+
+    def lose(self, sid: str) -> None:
+        """The session's first block below the pool is lost (a damaged file, a full disk)."""
+        session = self.table.get(sid)
+        for h in session.hashes if session is not None else ():
+            if self.pool.lookup(h) is None:
+                self.store.host.discard(h)
+                self.store.disk.flush()
+                self.store.disk.delete(h)
+                return
 
     def add(self, sid: str | None, new: list[int], cut: int, max_tokens: int) -> None:
         base = self.history.get(sid, SYSTEM) if sid is not None else SYSTEM
@@ -154,11 +178,15 @@ add = st.tuples(
 op = st.one_of(
     add,
     add,
-    st.tuples(st.just("step"), st.integers(1, 4)),
-    st.tuples(st.just("step"), st.integers(1, 4)),
+    add,
+    add,
+    st.tuples(st.just("step"), st.integers(1, 8)),
+    st.tuples(st.just("step"), st.integers(1, 8)),
+    st.tuples(st.just("step"), st.integers(1, 8)),
     st.tuples(st.just("abort"), st.integers(0, 50)),
+    st.tuples(st.just("churn"), st.just(0)),
     st.tuples(st.just("drop"), st.sampled_from(SESSION_IDS[:3])),
-    st.tuples(st.just("lose_file"), st.sampled_from(SESSION_IDS[:3])),
+    st.tuples(st.just("lose_block"), st.sampled_from(SESSION_IDS[:3])),
 )
 
 
@@ -169,11 +197,22 @@ op = st.one_of(
     budget=st.integers(4, 32),
     max_seqs=st.integers(1, 4),
     prefix=st.booleans(),
+    host_blocks=st.sampled_from([0, 2, 64]),
+    disk_blocks=st.sampled_from([3, 1 << 10]),
 )
 def test_random_schedules_keep_session_kv_and_pins_intact(
-    ops: list[tuple], num_blocks: int, budget: int, max_seqs: int, prefix: bool
+    ops: list[tuple],
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    prefix: bool,
+    host_blocks: int,
+    disk_blocks: int,
 ) -> None:
-    w = World(num_blocks, budget, max_seqs, prefix)
+    """Sessions' and cached blocks go down to host memory and disk (tiny ones: blocks are
+    dropped too) and come back: every step checks that the slots a request reads hold its own
+    tokens, so a block promoted with the wrong KV fails at once."""
+    w = World(num_blocks, budget, max_seqs, prefix, host_blocks, disk_blocks)
     for o in ops:
         if o[0] == "add":
             w.add(o[1], o[2], o[3], o[4])
@@ -184,8 +223,10 @@ def test_random_schedules_keep_session_kv_and_pins_intact(
             w.abort(o[1])
         elif o[0] == "drop":
             w.table.drop(o[1])
+        elif o[0] == "churn":
+            w.churn()
         else:
-            w.io.disk.pop(o[1], None)
+            w.lose(o[1])
     for _ in range(2000):  # nothing starves: everything finishes
         if not len(w.sched):
             break
@@ -204,6 +245,8 @@ def test_random_schedules_keep_session_kv_and_pins_intact(
     for s in w.table:
         w.table.drop(s.session_id)
     assert w.pool.num_free == w.pool.num_blocks
+    for tier in ("host", "disk"):
+        event(f"promoted from {tier}: {w.store.stats.tiers[tier].promotions > 0}")
 
 
 def test_deferral_skips_busy_session_without_breaking_fifo() -> None:
@@ -234,4 +277,5 @@ def test_running_request_may_spill_its_own_session_rather_than_livelock() -> Non
             break
         w.step()
     assert all(s.is_finished for s in w.seqs)
-    assert w.io.saves == 1 and w.sched.num_preemptions == 0
+    assert w.sched.num_preemptions == 0
+    assert w.store.stats.tiers["host"].demotions > 0  # the leftovers went to host memory

@@ -289,9 +289,11 @@ def test_blocks_gather_and_scatter_anywhere_in_the_pool(
     caches = [_act((32, 4, 2, 8), dtype, seed) for seed in range(6)]
     ids = torch.tensor([17, 3, 30, 4, 5, 11])
     gathered = kernels.gather_blocks(caches, ids)
-    assert torch.equal(gathered, torch.stack([c[ids] for c in caches]))
+    for b, block in enumerate(gathered):  # one buffer per block: every cache's bytes in turn
+        expected = torch.cat([c[ids[b]].reshape(-1).view(torch.uint8) for c in caches])
+        assert torch.equal(block, expected)
     fresh = [torch.zeros_like(c) for c in caches]
-    kernels.scatter_blocks(gathered, fresh, ids)
+    kernels.scatter_blocks([t.data_ptr() for t in gathered], fresh, ids)
     for before, after in zip(caches, fresh, strict=True):
         assert torch.equal(after[ids], before[ids])
         assert after.count_nonzero() == before[ids].count_nonzero()

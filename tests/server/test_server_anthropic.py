@@ -54,7 +54,9 @@ def test_message_matches_the_chat_route(
         == {"length": "max_tokens", "stop": "end_turn"}[chat.choices[0].finish_reason]
     )
     assert chat.usage is not None
-    assert (msg.usage.input_tokens, msg.usage.output_tokens) == (
+    u = msg.usage
+    assert u.cache_read_input_tokens is not None and u.cache_creation_input_tokens == 0
+    assert (u.input_tokens + u.cache_read_input_tokens, u.output_tokens) == (
         chat.usage.prompt_tokens,
         chat.usage.completion_tokens,
     )

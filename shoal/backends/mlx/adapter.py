@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -29,6 +30,7 @@ from shoal.backends.mlx.loader import MLXModel, load_gguf
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.output_processor import OutputProcessor
+from shoal.engine.pins import CachePin
 from shoal.engine.requests import RequestTable
 from shoal.engine.sequence import Sequence
 from shoal.engine.sessions import SessionInfo
@@ -59,7 +61,9 @@ class MLXEngine:
             eos_token_ids=loaded.eos_token_ids,
             max_model_len=max_model_len,
             cache_dir=config.cache_dir,
-            disk_cap_bytes=config.disk_cache_bytes,
+            host_kv_bytes=config.host_kv_bytes,
+            disk_kv_bytes=config.disk_kv_bytes,
+            shared_dir=config.session_tier_dir,
             completion_batch_size=config.max_num_seqs,
             prefill_step_size=config.max_num_batched_tokens,
             stream_text=True,
@@ -98,10 +102,13 @@ class MLXEngine:
         *,
         priority: int = 0,
         session_id: str | None = None,
+        cache_pins: Iterable[CachePin] = (),
     ) -> str:
-        """Validate and queue a request; returns its id (see `Engine.add_request`)."""
+        """Validate and queue a request; returns its id (see `Engine.add_request`; cache pins
+        need prefix caching, which this backend does not do, so they keep nothing here)."""
         self._requests.check_open()
         seq = self.core.inputs.process(prompt, params, request_id, priority, session_id)
+        seq.cache_pins = tuple(cache_pins)
         with self._requests.lock:
             self._requests.check_new(seq.request_id)
             self._requests[seq.request_id] = self.core.submit_sequence(seq)

@@ -36,12 +36,13 @@ from shoal.backends.mlx.kv import BlockData, ModelCacheSpec, as_caches
 from shoal.backends.mlx.outputs import AgentBlocks, CompletedGeneration
 from shoal.backends.mlx.sampling import make_sampler, sampled, seed_key
 from shoal.engine.block_pool import BlockPool, cdiv
+from shoal.engine.block_store import build_store
 from shoal.engine.detokenizer import Detokenizer
 from shoal.engine.input_processor import InputProcessor, check_session_id
 from shoal.engine.kv_cache_manager import KVCacheManager
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.sequence import Sequence, SequenceStatus
-from shoal.engine.sessions import SessionInfo, SessionManager
+from shoal.engine.sessions import SessionInfo
 from shoal.errors import (
     CacheCorruptionError,
     InvalidRequestError,
@@ -71,7 +72,9 @@ class BlockPoolBatchEngine:
         eos_token_ids: list[int] | None = None,
         max_model_len: int = 8192,
         cache_dir: str | Path | None = None,
-        disk_cap_bytes: int = 8 << 30,
+        host_kv_bytes: int = 2 << 30,
+        disk_kv_bytes: int = 8 << 30,
+        shared_dir: str | Path | None = None,
         completion_batch_size: int = 32,
         prefill_batch_size: int = 8,
         prefill_step_size: int = 2048,
@@ -88,9 +91,19 @@ class BlockPoolBatchEngine:
         self.pool = pool
         self.spec = spec
         self.max_model_len = max_model_len
-        self.data = BlockData(spec, cache_dir)
-        self.sessions = SessionManager(pool, self.data, disk_cap_bytes)
-        self.kv = KVCacheManager(pool, b"", enable_prefix_caching=False, sessions=self.sessions)
+        self.data = BlockData(spec)
+        self.store, self.sessions = build_store(
+            spec.layout(),
+            pool,
+            self.data,
+            cache_dir=cache_dir,
+            host_kv_bytes=host_kv_bytes,
+            disk_kv_bytes=disk_kv_bytes,
+            shared_dir=shared_dir,
+        )
+        self.kv = KVCacheManager(
+            pool, self.sessions.root, enable_prefix_caching=False, sessions=self.sessions
+        )
         vocab = model.model.embed_tokens.weight.shape[0]
         self.inputs = InputProcessor(
             tokenizer, vocab, max_model_len, pool.num_blocks, spec.block_tokens, seed_key
@@ -279,11 +292,12 @@ class BlockPoolBatchEngine:
         if self.kv.allocate_hit(seq, seq.num_tokens - hit.num_tokens, hit):
             self.kv.admitted(seq, hit)
             return True
-        if self._running or hit.session is None:
+        if self._running or hit.session is None or not hit.session.resident:
             return False
-        # Alone in an idle engine, only its own agent's blocks can stand in the way.
+        # Alone in an idle engine, only its own agent's blocks can stand in the way: given back
+        # to the pool, they stay cached there for the prefix to reuse.
         self.sessions.evict(hit.session)
-        hit = self.kv.find_prefix(seq, use_session=False)
+        hit = self.kv.find_prefix(seq)
         if not self.kv.allocate_hit(seq, seq.num_tokens - hit.num_tokens, hit):
             return False
         self.kv.admitted(seq, hit)

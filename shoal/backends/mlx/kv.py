@@ -1,28 +1,31 @@
 """Agent KV behind the shared block pool: which MLX arrays hold each pool block.
 
 MLX has no paged attention: `BatchGenerator` runs on dense, left-padded caches. So the pool is
-bookkeeping (the same `BlockPool`, `SessionManager` and session files as the torch engine) and
+bookkeeping (the same `BlockPool`, `SessionManager` and KV store as the torch engine) and
 the bytes live in *slabs*: the per-layer `[1, kv_heads, tokens, head_dim]` arrays that a
 finished request's cache already is. A pool block names a 256-token run of a slab. Turning a
 cache into blocks is therefore free (no copy), and reconstructing a cache from the blocks of
 one slab hands MLX views, also free; only blocks from different slabs (rare: a partial block
 copied on write) are concatenated. MLX arrays are immutable values, so sharing a slab between
 blocks, or with a running batch, never lets one writer change another's KV.
+
+`BlockData` is also the store's `BlockCodec`: a block's bytes are each layer's key then value
+rows `[kv_heads, block tokens, head_dim]` (zero past a slab's end), so blocks go down to host
+memory, disk and the shared folder, and come back as one-block slabs, like the torch engine's.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
-from safetensors.numpy import save as save_numpy
 
+from shoal.engine.block_files import KVLayout
 from shoal.engine.block_pool import BlockPool, cdiv
-from shoal.engine.session_files import FilesTier, KVLayout, SessionFiles
+from shoal.engine.host_tier import Payload
 from shoal.errors import CacheCorruptionError, InvalidRequestError
 
 Layers = list[tuple[mx.array, mx.array]]  # per layer (keys, values), each [1, H, T, D]
@@ -100,12 +103,12 @@ def as_caches(layers: Layers, num_tokens: int) -> list[KVCache]:
     return caches
 
 
-class BlockData(FilesTier):
-    """`SessionIO` for the MLX backend: pool block → (slab, index), plus the disk tier."""
+class BlockData:
+    """Pool block → (slab, index) for the MLX backend, and its `BlockCodec`."""
 
-    def __init__(self, spec: ModelCacheSpec, cache_dir: str | Path | None) -> None:
+    def __init__(self, spec: ModelCacheSpec) -> None:
         self.spec = spec
-        self.files = SessionFiles(spec.layout(), cache_dir)
+        self.block_nbytes = spec.bytes_per_block
         self._blocks: dict[int, tuple[Slab, int]] = {}
 
     # -- cache <-> blocks ------------------------------------------------------------------
@@ -147,49 +150,46 @@ class BlockData(FilesTier):
         return out
 
     def sweep(self, pool: BlockPool) -> None:
-        """Forget the data of blocks the pool has taken back, so their slabs can be freed."""
+        """Forget the data of free blocks nothing can find again (not cached under a hash),
+        so their slabs can be freed; cached ones keep theirs until the pool demotes them."""
         for b in [b for b in self._blocks if pool.blocks[b].ref_cnt == 0]:
-            del self._blocks[b]
+            if pool.blocks[b].hash is None:
+                del self._blocks[b]
 
     @property
     def num_blocks(self) -> int:
         return len(self._blocks)
 
-    # -- SessionIO: byte moves ----------------------------------------------------------------
+    # -- BlockCodec: byte moves ---------------------------------------------------------------
     def copy_block(self, src: int, dst: int) -> None:
         self._blocks[dst] = self._blocks[src]  # immutable arrays: sharing is copying
 
-    def save(
-        self, session_id: str, token_ids: list[int], block_ids: list[int], last_used: float
-    ) -> bool:
-        """Write the blocks in the session file layout `[layers, 2, blocks, block, H, D]`."""
-        n = len(token_ids)
-        layers = self.gather(block_ids, n)
-        padded = cdiv(n, self.spec.block_tokens) * self.spec.block_tokens
-        kv = mx.stack([mx.stack([self._to_file(a, padded) for a in kv]) for kv in layers])
-        array = np.array(kv)
-        data = save_numpy({"kv": array})
-        return self.files.write(session_id, token_ids, last_used, list(array.shape), data)
+    def read_blocks(self, block_ids: list[int]) -> list[Payload]:
+        bt = self.spec.block_tokens
+        out = []
+        for b in block_ids:
+            if b not in self._blocks:
+                raise CacheCorruptionError(f"KV block {b} holds no data")
+            slab, i = self._blocks[b]
+            rows = []
+            for k, v in slab.layers:
+                for a in (k, v):
+                    part = a[0, :, i * bt : (i + 1) * bt]
+                    if part.shape[1] < bt:
+                        part = mx.pad(part, [(0, 0), (0, bt - part.shape[1]), (0, 0)])
+                    rows.append(part.reshape(-1))
+            out.append(np.array(mx.concatenate(rows)).view(np.uint8))
+        return out
 
-    def _to_file(self, a: mx.array, padded: int) -> mx.array:
-        _, h, t, d = a.shape
-        a = mx.pad(a[0], [(0, 0), (0, padded - t), (0, 0)])
-        return a.reshape(h, -1, self.spec.block_tokens, d).transpose(1, 2, 0, 3)
-
-    def load(self, session_id: str, token_ids: list[int]) -> mx.array | None:
-        """The session's KV from disk, validated; None (file discarded, warned) if unusable."""
-        return self.files.load(
-            session_id,
-            token_ids,
-            lambda path: cast(dict[str, mx.array], mx.load(str(path)))["kv"],
-            lambda kv: (list(kv.shape), dtype_name(kv)),
-        )
-
-    def restore(self, data: mx.array, block_ids: list[int]) -> None:
-        layers_, _, blocks, bt, h, d = data.shape
-        layers = [
-            tuple(data[i, j].transpose(2, 0, 1, 3).reshape(1, h, blocks * bt, d) for j in (0, 1))
-            for i in range(layers_)
-        ]
-        mx.eval(layers)
-        self.put(block_ids, cast(Layers, layers), blocks * bt)
+    def write_blocks(self, block_ids: list[int], payloads: list[Payload]) -> None:
+        spec, bt = self.spec, self.spec.block_tokens
+        shape = (1, spec.kv_heads, bt, spec.head_dim)
+        for b, payload in zip(block_ids, payloads, strict=True):
+            flat = mx.array(np.frombuffer(payload, dtype=spec.dtype))
+            parts = flat.reshape(spec.num_layers, 2, -1)
+            layers = [
+                (parts[i, 0].reshape(shape), parts[i, 1].reshape(shape))
+                for i in range(spec.num_layers)
+            ]
+            mx.eval(layers)
+            self.put([b], layers, bt)

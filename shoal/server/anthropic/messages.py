@@ -5,7 +5,8 @@ translated by `tools`) and runs through the shared `prepare_chat` / `respond` / 
 path: one engine path for both APIs. Streams use Anthropic's event types: message_start,
 content_block_start, ping, content_block_delta (text_delta, or input_json_delta for a
 tool_use block)..., content_block_stop, message_delta, message_stop.
-`POST /v1/messages/count_tokens` builds the same prompt and counts it.
+`POST /v1/messages/count_tokens` builds the same prompt and counts it. Prompt caching
+(`cache_control`, cache usage, Claude Code's billing line) is `caching`'s.
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from shoal.engine.pins import CachePin
 from shoal.outputs import RequestOutput
+from shoal.server.anthropic import caching
 from shoal.server.anthropic import formatting as fmt
 from shoal.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from shoal.server.anthropic.tools import chat_messages, tool_fields
@@ -35,14 +38,17 @@ from shoal.server.structured import plan_answer
 from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta
 
 router = APIRouter()
+# Accepted and answered without thinking blocks (the models shoal runs do not think apart):
+# Claude Code asks for it on every turn.
+THINKING = ("disabled", "enabled", "adaptive")
 State = Annotated[ServerState, Depends(get_state)]
 TOOL_SCHEMA = "tools.{}.input_schema"  # where errors place a tool's schema
 
 
 def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     """The chat request that answers `req` (raises APIError for what cannot be honoured)."""
-    if req.thinking and req.thinking.get("type") != "disabled":
-        raise APIError(400, "extended thinking is not supported", param="thinking")
+    if req.thinking and req.thinking.get("type") not in THINKING:
+        raise APIError(400, f"thinking.type must be one of {THINKING}", param="thinking")
     messages: list[dict[str, Any]] = []
     if req.system:
         system = req.system
@@ -66,21 +72,63 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
         raise APIError(400, f"{'.'.join(map(str, first['loc']))}: {first['msg']}") from e
 
 
+Positions = list[tuple[int, float]]  # (tokens, TTL) of each cache_control breakpoint
+
+
 async def prepare(
-    srv: Serving, req: MessagesRequest, priority: int = 0, session_id: str | None = None
-) -> Prepared:
+    srv: Serving,
+    req: MessagesRequest,
+    priority: int = 0,
+    session_id: str | None = None,
+    keep_billing_header: bool = False,
+) -> tuple[Prepared, Positions]:
+    """The engine request for `req`, and where its cache breakpoints fall; the prefix up to
+    each, and with `metadata.user_id` the whole conversation, are pinned in the KV store."""
+    if not keep_billing_header:
+        req = caching.strip_billing_header(req)
+    found = caching.breakpoints(req)
     prep = await prepare_chat(
         srv, to_chat(req), priority=priority, session_id=session_id, tool_schema_at=TOOL_SCHEMA
     )
     prep.rid = new_id("msg_")
     if prep.tools is not None:
         prep.tools = dataclasses.replace(prep.tools, id_prefix="toolu_")
-    return prep
+    ids = prep.jobs[0][0]
+    positions: Positions = []
+    if found and isinstance(ids, list):
+        positions = await asyncio.to_thread(_positions, srv, req, found, ids)
+    pins = list(caching.cache_pins(positions))
+    user = (req.metadata or {}).get("user_id")
+    if isinstance(user, str) and user and session_id is None:  # a hint: kept like a session
+        pins.append(CachePin(f"key:anthropic:{user}"))
+    if pins:
+        prep.engine_kwargs["cache_pins"] = tuple(pins)
+    return prep, positions
 
 
-async def answer(srv: Serving, prep: Prepared) -> dict[str, Any]:
+def _positions(
+    srv: Serving, req: MessagesRequest, found: list[caching.Breakpoint], ids: list[int]
+) -> Positions:
+    template = getattr(srv.engine.tokenizer, "chat_template", None)
+    out: Positions = []
+    for bp in found:
+        try:
+            chat = to_chat(caching.truncated(req, bp))
+            plan, _ = plan_answer(chat, template)
+            out.append((caching.position(ids, chat_prompt(srv.engine, chat, plan)), bp[2]))
+        except APIError:
+            continue  # a cut that cannot be rendered alone caches nothing
+    return out
+
+
+async def answer(srv: Serving, prep: Prepared, positions: Positions) -> dict[str, Any]:
+    chat = await respond(srv, prep)
     forced = prep.tools is not None and bool(prep.tools.forced)
-    return fmt.message_from_chat(prep.rid, await respond(srv, prep), forced)
+    msg = fmt.message_from_chat(prep.rid, chat, forced)
+    u = chat["usage"]
+    cached = u["prompt_tokens_details"]["cached_tokens"]
+    msg["usage"] = caching.usage(u["prompt_tokens"], cached, u["completion_tokens"], positions)
+    return msg
 
 
 async def run_line(
@@ -88,7 +136,8 @@ async def run_line(
 ) -> tuple[int, dict[str, Any], int, int]:
     """One message batch line: (status, Message or Anthropic error, input and output tokens)."""
     try:
-        msg = await answer(srv, await prepare(srv, MessagesRequest.model_validate(body), priority))
+        prep, positions = await prepare(srv, MessagesRequest.model_validate(body), priority)
+        msg = await answer(srv, prep, positions)
     except ValidationError as e:
         first = e.errors()[0]
         where = ".".join(map(str, first["loc"]))
@@ -97,7 +146,8 @@ async def run_line(
         err = to_api_error(e)
         return err.status, fmt.error_body(err.status, err.message), 0, 0
     usage = msg["usage"]
-    return 200, msg, usage["input_tokens"], usage["output_tokens"]
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    return 200, msg, prompt + usage["cache_creation_input_tokens"], usage["output_tokens"]
 
 
 class _Blocks:
@@ -142,13 +192,15 @@ class _Blocks:
 
 async def stream_events(
     prep: Prepared,
+    positions: Positions,
     gen: AsyncGenerator[tuple[int, RequestOutput]],
     first: tuple[int, RequestOutput],
 ) -> AsyncIterator[bytes]:
     out = first[1]
     start = fmt.message(prep.rid, prep.model, [], None, {})
     start["stop_reason"] = None
-    start["usage"] = {"input_tokens": len(out.prompt_token_ids), "output_tokens": 0}
+    prompt = len(out.prompt_token_ids)
+    start["usage"] = caching.usage(prompt, out.num_cached_tokens, 0, positions)
     yield fmt.sse({"type": "message_start", "message": start})
     blocks = _Blocks()
     reader = prep.tools.parser() if prep.tools is not None else None
@@ -201,6 +253,8 @@ async def count_tokens(state: State, req: CountTokensRequest) -> dict[str, int]:
     """The prompt's tokens, counted exactly as `POST /v1/messages` would build it, whatever
     its length (the body's byte limit bounds the work)."""
     srv = state.serving
+    if not state.config.keep_billing_header:
+        req = caching.strip_billing_header(req)
     chat = to_chat(req)
     if chat.model != srv.model_name:
         raise model_not_found(chat.model)
@@ -214,17 +268,19 @@ async def count_tokens(state: State, req: CountTokensRequest) -> dict[str, int]:
 async def create_message(
     request: Request, state: State, req: MessagesRequest, x_session_id: SessionHeader = None
 ) -> Response:
-    """`X-Session-Id` makes the conversation a session, as on the OpenAI routes."""
+    """`X-Session-Id` makes the conversation a session, as on the OpenAI routes; `anthropic-
+    beta` and `anthropic-version` headers are accepted and need nothing."""
     srv = state.serving
-    prep = await prepare(srv, req, session_id=x_session_id)
+    keep = state.config.keep_billing_header
+    prep, positions = await prepare(srv, req, session_id=x_session_id, keep_billing_header=keep)
     if req.stream:
         gen, first = await start_stream(srv, prep)
         return SSEResponse(
-            stream_events(prep, gen, first),
+            stream_events(prep, positions, gen, first),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await unless_disconnected(request, answer(srv, prep))
+    body = await unless_disconnected(request, answer(srv, prep, positions))
     if body is None:
         return Response(status_code=499)
     return JSONResponse(body)

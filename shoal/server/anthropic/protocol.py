@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_BATCH_REQUESTS = 100_000
 
@@ -31,6 +31,13 @@ class MessageParam(_Open):
     role: Literal["user", "assistant"]
     content: str | list[ContentBlock]
 
+    @field_validator("role", mode="before")
+    @classmethod
+    def _user_unless_assistant(cls, role: Any) -> Any:
+        """Claude Code sends context turns under roles of its own; they are the user's (as
+        vLLM reads them)."""
+        return role if role == "assistant" or not isinstance(role, str) else "user"
+
 
 class ToolParam(_Open):
     """A client tool; server tools (a `type` other than custom) are refused."""
@@ -48,7 +55,7 @@ class ToolChoice(_Open):
     disable_parallel_tool_use: bool | None = None
 
 
-class _Prompt(_Open):
+class Prompt(_Open):
     """What a prompt is built from, besides the model and the messages."""
 
     system: str | list[ContentBlock] | None = None
@@ -57,14 +64,14 @@ class _Prompt(_Open):
     thinking: dict[str, Any] | None = None
 
 
-class CountTokensRequest(_Prompt):
+class CountTokensRequest(Prompt):
     """`POST /v1/messages/count_tokens`: what a Messages request's prompt holds."""
 
     model: str
     messages: list[MessageParam] = Field(..., min_length=1)
 
 
-class MessagesRequest(_Prompt):
+class MessagesRequest(Prompt):
     model: str
     max_tokens: int = Field(..., ge=1)
     messages: list[MessageParam] = Field(..., min_length=1)

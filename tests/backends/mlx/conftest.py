@@ -99,4 +99,8 @@ def make_engine(tiny_model: llama.Model, tokenizer: Any) -> Iterator[EngineFacto
         for s in list(engine.sessions):
             engine.drop_session(s.session_id)
         assert engine.pool.num_free == engine.pool.num_blocks
+        # Free blocks keep their data while cached; once the pool forgets them, nothing is held.
+        assert engine.data.num_blocks == sum(b.hash is not None for b in engine.pool.blocks)
+        engine.pool.evict_cached()
+        engine.data.sweep(engine.pool)
         assert engine.data.num_blocks == 0

@@ -126,10 +126,10 @@ def test_a_damaged_session_file_is_discarded_and_the_turn_recomputed(
     first_engine.drop_session("a")
     first = run_one(first_engine, "a", prompt_ids(9, 40), 10)
     first_engine.close()
-    (tensor,) = tmp_path.glob("*/*.safetensors")
-    data = bytearray(tensor.read_bytes())
-    data[-100] ^= 0xFF
-    tensor.write_bytes(bytes(data))
+    for block in tmp_path.rglob("*.kv"):  # every block the session's KV was stored in
+        data = bytearray(block.read_bytes())
+        data[-100] ^= 0xFF
+        block.write_bytes(bytes(data))
     restarted = make_engine(cache_dir=tmp_path)
     with pytest.warns(UserWarning, match="checksum mismatch"):
         again = run_one(restarted, "a", prompt_ids(10, 5), 8, cache=first.blocks)

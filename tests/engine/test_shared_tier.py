@@ -1,6 +1,7 @@
-"""The shared session tier: a session moves between engines sharing a tier folder and is
-restored there, not recomputed; a kill -9 one second after a turn is acknowledged loses that
-turn to no one; damaged or older copies are never used. Outputs equal a no-cache run's."""
+"""The shared folder of the KV store: a session moves between engines sharing it and is
+restored there, not recomputed; a turn whose copy has landed before a kill -9 is lost to no
+one; damaged or older copies are never used; a turn writes only the blocks the folder lacks.
+Outputs equal a no-cache run's."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from shoal import Engine, SamplingParams
-from shoal.engine.session_files import KVLayout, session_key
-from shoal.engine.session_tier import SessionTier
-from shoal.engine.tier_files import MAX_CHUNKS
+from shoal.engine.block_files import KVLayout
+from shoal.engine.hashing import root_hash, session_hashes
+from shoal.engine.session_manifests import manifest_name
+from shoal.engine.shared_tier import SharedTier
 
 PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
 P1 = [5, 6, 7, 8, 9, 10, 11, 12, 13]
@@ -81,7 +83,7 @@ def test_a_session_moves_between_engines_through_the_tier(
         assert engine.pool.num_free == engine.pool.num_blocks - engine.stats().blocks_used
         engine.drop_session("s")
         assert engine.pool.num_free == engine.pool.num_blocks
-    assert not list((tmp_path / "tier").glob("*/*.json"))  # drop forgets the tier copy too
+    assert not list((tmp_path / "tier").glob("*/sessions/*.json"))  # drop forgets it there too
 
 
 CHILD = """
@@ -106,7 +108,7 @@ p1 = {P1!r}
 o1 = turn(p1)
 engine.save_sessions()  # the local disk holds turn 1 (as after an idle save)
 o2 = turn(p1 + o1 + {MORE0!r})  # turn 2 is acknowledged here, never saved locally
-engine.sessions.tier.drain()  # the write-behind copy has landed (its lag is on /metrics)
+engine.sessions.shared.drain()  # the write-behind copy has landed (its lag is on /metrics)
 Path(marker).write_text(str(engine.stats().tier_lag_max_ms))
 time.sleep(600)
 """
@@ -154,146 +156,118 @@ def test_a_damaged_tier_copy_is_recomputed_not_used(
     a = make_engine(model, session_tier_dir=str(tier))
     turn(a, conv[0][0], "s")
     a.sessions.flush()
-    (manifest,) = tier.glob("*/*.json")
-    first = json.loads(manifest.read_text())["chunks"][0]["file"]
-    tensor = manifest.parent / first
-    data = bytearray(tensor.read_bytes())
+    (manifest,) = tier.glob("*/sessions/*.json")
+    m = json.loads(manifest.read_text())
+    root = root_hash(f"{m['fingerprint']}:{m['dtype']}:{m['block_size']}")
+    first = session_hashes(root, m["token_ids"], 4)[0].hex()
+    block = manifest.parents[1] / "blocks" / first[:2] / f"{first}.kv"
+    data = bytearray(block.read_bytes())
     data[-3] ^= 0xFF
-    tensor.write_bytes(bytes(data))
+    block.write_bytes(bytes(data))
     b = make_engine(model, session_tier_dir=str(tier))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         out, cached = turn(b, conv[1][0], "s")
     assert out == conv[1][1] and cached == 0
     assert any("checksum" in str(w.message) for w in caught)
-    assert tensor.exists()  # a reader never deletes what may be another writer's
+    assert block.exists()  # a reader never deletes what may be another writer's
+
+
+LAYOUT = KVLayout("fp", "uint8", 4, 1, 1, 1)
+ROOT = root_hash(LAYOUT.root())
 
 
 class BytesCodec:
-    """Session KV as plain bytes, one per (block, layout element): enough to test files."""
+    """Pool block `b`'s KV is two bytes of value `b`: enough to test what the files hold."""
 
-    def __init__(self, layout: KVLayout) -> None:
-        self.layout = layout
+    block_nbytes = 2
 
-    def snapshot(self, block_ids: list[int]) -> list[int]:
-        return list(block_ids)
+    def __init__(self) -> None:
+        self.copied: list[int] = []
 
-    def nbytes(self, kv: list[int]) -> int:
-        return len(kv)
-
-    def encode(self, kv: list[int]) -> tuple[list[int], bytes]:
-        lay = self.layout
-        shape = [lay.num_layers, 2, len(kv), lay.block_size, lay.kv_heads, lay.head_dim]
-        return shape, bytes(b % 256 for b in kv for _ in range(2 * lay.block_size))
-
-    def read(self, path: Path) -> bytes:
-        return path.read_bytes()
-
-    def describe(self, kv: bytes) -> tuple[list[int], str]:
-        n = len(kv) // (2 * self.layout.block_size)
-        return self.layout.shape(n * self.layout.block_size), self.layout.dtype
-
-    def join(self, parts: list[bytes]) -> bytes:
-        return b"".join(parts)
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        self.copied += block_ids
+        return [bytes([b % 256]) * 2 for b in block_ids]
 
 
-def kv_of(tier: SessionTier, block_ids: list[int]) -> bytes:
-    """The bytes a copy of `block_ids` loads as."""
-    return BytesCodec(tier.layout).encode(block_ids)[1]
+def blocks_of(tokens: list[int], block_ids: list[int]) -> dict[bytes, int]:
+    return dict(zip(session_hashes(ROOT, tokens, 4), block_ids, strict=True))
 
 
-def chunk_files(tier: SessionTier) -> set[str]:
-    return {p.name for p in tier.dir.glob("*.safetensors")}
+def kv(tier: SharedTier, tokens: list[int]) -> list[int]:
+    """What the folder holds for `tokens`' blocks, as the pool block ids they were copied from."""
+    out = []
+    for h in session_hashes(ROOT, tokens, 4):
+        payload = tier.read(h)
+        assert payload is not None
+        out.append(payload[0])
+    return out
+
+
+def block_files(tier: SharedTier) -> set[str]:
+    return {p.name for p in tier.files.dir.rglob("*.kv")}
 
 
 def test_an_older_turn_never_replaces_a_later_one(tmp_path: Path) -> None:
-    layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
-    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
+    tier = SharedTier(LAYOUT, tmp_path, BytesCodec(), ROOT)
     later = list(range(1, 10))
-    tier.publish("s", later, [1, 2, 3], 1.0)
+    tier.publish("s", later, blocks_of(later, [1, 2, 3]), 1.0)
     assert tier.drain(10)
-    tier.publish("s", later[:5], [1, 2], 2.0)  # a slow replica's older turn, written late
+    tier.publish("s", later[:5], blocks_of(later[:5], [1, 2]), 2.0)  # a slow replica's, late
     assert tier.drain(10)
     m = tier.peek("s")
     assert m is not None and m.token_ids == later
     assert tier.stats.writes == 1 and tier.stats.superseded == 1
-    assert tier.load(m) is not None
+    assert kv(tier, later) == [1, 2, 3]
     other = [1, 2, 3, 4, 99]  # not a prefix: another conversation under the same id replaces it
-    tier.publish("s", other, [7, 8], 3.0)
+    tier.publish("s", other, blocks_of(other, [7, 8]), 3.0)
     assert tier.drain(10)
     m = tier.peek("s")
-    assert m is not None and m.token_ids == other
-    assert chunk_files(tier) == m.files  # the replaced chunks are gone
-    assert tier.load(m) == kv_of(tier, [7, 8])
-    manifest = json.loads((tier.dir / f"{session_key('s')}.json").read_text())
+    assert m is not None and m.token_ids == other and kv(tier, other) == [1, 8]  # block 0 shared
+    manifest = json.loads((tier.sessions_dir / manifest_name("s")).read_text())
     assert manifest["fingerprint"] == "fp"
     tier.delete("s")
-    assert tier.peek("s") is None and not list(tier.dir.iterdir())
+    assert tier.peek("s") is None and not list(tier.sessions_dir.iterdir())
 
 
 def test_a_later_turn_writes_only_its_new_blocks(tmp_path: Path) -> None:
-    layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
-    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
+    codec = BytesCodec()
+    tier = SharedTier(LAYOUT, tmp_path, codec, ROOT)
     turn1 = list(range(1, 10))  # blocks 0-1 full, block 2 holds one token
-    tier.publish("s", turn1, [11, 12, 13], 1.0)
+    tier.publish("s", turn1, blocks_of(turn1, [11, 12, 13]), 1.0)
     assert tier.drain(10)
-    m1 = tier.peek("s")
-    assert m1 is not None
-    assert [(c.first_block, c.num_blocks) for c in m1.chunks] == [(0, 2), (2, 1)]
+    assert codec.copied == [11, 12, 13] and len(block_files(tier)) == 3
     turn2 = [*turn1, 10, 11, 12, 13, 14]  # blocks 0-2 full, block 3 holds two tokens
-    tier.publish("s", turn2, [11, 12, 13, 14], 2.0)
-    assert tier._pending["s"].nbytes == 2  # only blocks 2 and 3 are copied
+    tier.publish("s", turn2, blocks_of(turn2, [11, 12, 14, 15]), 2.0)
+    assert codec.copied[3:] == [14, 15]  # only the blocks the folder lacks are copied
     assert tier.drain(10)
-    m2 = tier.peek("s")
-    assert m2 is not None and m2.token_ids == turn2
-    assert m2.chunks[0] == m1.chunks[0]  # kept, not written again
-    assert [(c.first_block, c.num_blocks) for c in m2.chunks] == [(0, 2), (2, 1), (3, 1)]
-    assert chunk_files(tier) == m2.files  # turn 1's last block went with its manifest
-    other = SessionTier(layout, tmp_path, BytesCodec(layout))  # another engine reads it whole
-    assert other.load(m2) == kv_of(tier, [11, 12, 13, 14])
-    edited = [*turn1[:5], 99, 98, 97, 96, 95]  # the history changed in block 1, which the
-    tier.publish("s", edited, [11, 22, 23], 3.0)  # first chunk holds: nothing is kept
-    assert tier._pending["s"].nbytes == 3
+    m = tier.peek("s")
+    assert m is not None and m.token_ids == turn2
+    other = SharedTier(LAYOUT, tmp_path, BytesCodec(), ROOT)  # another engine reads it whole
+    assert kv(other, turn2) == [11, 12, 14, 15]
+    for sid in ("a", "b", "c"):  # sessions sharing a prefix store it once
+        tokens = [*turn1[:8], ord(sid)]
+        tier.publish(sid, tokens, blocks_of(tokens, [11, 12, 20 + ord(sid)]), 3.0)
     assert tier.drain(10)
-    m3 = tier.peek("s")
-    assert m3 is not None and [(c.first_block, c.num_blocks) for c in m3.chunks] == [(0, 2), (2, 1)]
-    assert not m3.files & m2.files
-    assert other.load(m3) == kv_of(tier, [11, 22, 23]) and chunk_files(tier) == m3.files
+    assert len(block_files(tier)) == 5 + 3  # turn 1's partial block, swept with time
 
 
-def test_a_long_session_keeps_a_short_chain(tmp_path: Path) -> None:
-    layout = KVLayout("fp", "uint8", 2, 1, 1, 1)
-    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
-    tokens: list[int] = []
-    for t in range(3 * MAX_CHUNKS):
-        tokens += [t, t + 1, t + 2]  # each turn fills a block and a half
-        blocks = list(range(100, 100 + (len(tokens) + 1) // 2))
-        tier.publish("s", tokens, blocks, float(t))
-        assert tier.drain(10)
-        m = tier.peek("s")
-        assert m is not None and len(m.chunks) <= MAX_CHUNKS
-        assert tier.load(m) == kv_of(tier, blocks), f"turn {t + 1}"
-    assert chunk_files(tier) == m.files
-    assert tier.stats.writes == 3 * MAX_CHUNKS and tier.stats.write_failures == 0
-
-
-def test_chunks_removed_under_a_writer_drop_its_write_and_the_next_is_whole(
+def test_blocks_removed_under_a_writer_drop_its_write_and_the_next_is_whole(
     tmp_path: Path,
 ) -> None:
-    layout = KVLayout("fp", "uint8", 4, 1, 1, 1)
-    tier = SessionTier(layout, tmp_path, BytesCodec(layout))
-    tier.publish("s", list(range(1, 10)), [1, 2, 3], 1.0)
+    tier = SharedTier(LAYOUT, tmp_path, BytesCodec(), ROOT)
+    turn1 = list(range(1, 10))
+    tier.publish("s", turn1, blocks_of(turn1, [1, 2, 3]), 1.0)
     assert tier.drain(10)
-    m1 = tier.peek("s")
-    assert m1 is not None
-    (tier.dir / m1.chunks[0].file).unlink()  # another writer replaced the conversation
+    first = session_hashes(ROOT, turn1, 4)[0]
+    tier.files.delete(first)  # another writer's sweep took it
     turn2 = list(range(1, 15))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        tier.publish("s", turn2, [1, 2, 3, 4], 2.0)
+        tier.publish("s", turn2, blocks_of(turn2, [1, 2, 3, 4]), 2.0)
         assert tier.drain(10)
     assert tier.stats.write_failures == 1 and any("removed" in str(w.message) for w in caught)
-    tier.publish("s", turn2, [1, 2, 3, 4], 3.0)  # the next turn is written whole
+    tier.publish("s", turn2, blocks_of(turn2, [1, 2, 3, 4]), 3.0)  # the next turn is whole
     assert tier.drain(10)
     m = tier.peek("s")
-    assert m is not None and m.token_ids == turn2 and tier.load(m) == kv_of(tier, [1, 2, 3, 4])
+    assert m is not None and m.token_ids == turn2 and kv(tier, turn2) == [1, 2, 3, 4]
