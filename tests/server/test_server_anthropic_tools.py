@@ -116,7 +116,9 @@ def test_tool_loop_with_tool_result(claude: anthropic.Anthropic, tools_server: L
     counted = claude.messages.count_tokens(
         model=tools_server.model, messages=turn, tools=[ADD, CITY]
     )
-    assert counted.input_tokens == second.usage.input_tokens
+    u = second.usage  # input_tokens is the part not read from (nor written to) the cache
+    total = u.input_tokens + (u.cache_read_input_tokens or 0) + (u.cache_creation_input_tokens or 0)
+    assert counted.input_tokens == total
     plain = claude.messages.count_tokens(model=tools_server.model, messages=ASK)
     assert 0 < plain.input_tokens < counted.input_tokens
     assert wait_pool_whole(tools_server)
