@@ -13,6 +13,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol
 
 from shoal.engine.block_pool import cdiv
+from shoal.engine.hashing import Salt
 from shoal.engine.sequence import Sequence
 from shoal.errors import InvalidRequestError, PromptTooLongError
 from shoal.sampling_params import SamplingParams, StructuredOutput
@@ -27,6 +28,15 @@ def check_session_id(session_id: object) -> str:
     if len(session_id) > MAX_SESSION_ID_LEN:
         raise InvalidRequestError(f"session_id holds at most {MAX_SESSION_ID_LEN} characters")
     return session_id
+
+
+def as_salt(cache_salt: Salt | str | None) -> Salt | None:
+    """A request's salt: a `Salt`, or a text (vLLM's `cache_salt`) made into one."""
+    if cache_salt is None or isinstance(cache_salt, Salt):
+        return cache_salt
+    if not isinstance(cache_salt, str) or not cache_salt:
+        raise InvalidRequestError("cache_salt must be a non-empty string")
+    return Salt.of(cache_salt)
 
 
 def longest_token_bytes(tokenizer: Any) -> int:
@@ -144,9 +154,11 @@ class InputProcessor:
         request_id: str | None,
         priority: int,
         session_id: str | None,
+        cache_salt: Salt | str | None = None,
     ) -> Sequence:
         if session_id is not None:
             check_session_id(session_id)
+        salt = as_salt(cache_salt)
         params = params or SamplingParams()
         params.validate()
         token_ids = self.encode(prompt)
@@ -170,6 +182,7 @@ class InputProcessor:
             priority=priority,
             session_id=session_id,
             prompt=prompt if isinstance(prompt, str) else None,
+            salt=salt,
         )
         if params.seed is not None:
             seq.generator = self.seeded(params.seed)

@@ -70,7 +70,7 @@ class KVCacheManager:
     def _update_hashes(self, seq: Sequence) -> None:
         if len(seq.block_hashes) < seq.num_tokens // self.block_size:
             seq.block_hashes = chain_hashes(
-                self.root, seq.token_ids(), self.block_size, seq.block_hashes
+                self.root, seq.token_ids(), self.block_size, seq.block_hashes, seq.salt
             )
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
@@ -99,8 +99,8 @@ class KVCacheManager:
         session, n = None, 0  # tokens the session holds of the prompt
         if self.sessions is not None and seq.session_id is not None:
             prompt = seq.token_ids()
-            session = self.sessions.find(seq.session_id, prompt)
-            if session is not None and session.token_ids:
+            session = self.sessions.find(seq.session_id, prompt, seq.salt)
+            if session is not None and session.token_ids and session.salt == seq.salt:
                 n = min(common_prefix_len(session.token_ids, prompt), seq.num_tokens - 1)
                 full = max(full, n // bs)
         hit = PrefixHit(session=session)

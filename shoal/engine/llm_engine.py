@@ -19,6 +19,7 @@ from typing import Any
 
 from shoal.config import EngineConfig
 from shoal.engine.factory import EngineParts, build_engine_parts
+from shoal.engine.hashing import Salt
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.pins import CachePin
 from shoal.engine.requests import RequestTable
@@ -86,16 +87,18 @@ class Engine:
         priority: int = 0,
         session_id: str | None = None,
         cache_pins: Iterable[CachePin] = (),
+        cache_salt: Salt | str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id. Raises typed errors for bad input.
 
         With `session_id`, the request reuses what its session holds (the KV of the session's
         last turn) and leaves its own KV to the session; it waits while the session is busy.
         `cache_pins` name prefixes of its KV the store keeps longest once it ends (a client's
-        cache key, Anthropic's `cache_control` breakpoints).
+        cache key, Anthropic's `cache_control` breakpoints). With `cache_salt` (a text, as
+        vLLM's, or a `hashing.Salt`) it reuses only KV computed with the same salt.
         """
         self._requests.check_open()
-        seq = self.inputs.process(prompt, params, request_id, priority, session_id)
+        seq = self.inputs.process(prompt, params, request_id, priority, session_id, cache_salt)
         seq.cache_pins = tuple(cache_pins)
         with self._requests.lock:
             self._requests.check_new(seq.request_id)

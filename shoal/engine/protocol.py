@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
+from shoal.engine.hashing import Salt
 from shoal.engine.pins import CachePin
 from shoal.engine.sessions import SessionInfo, SessionManager
 from shoal.engine.stats import EngineStats
@@ -56,6 +57,7 @@ class EngineProtocol(Protocol):
         priority: int = 0,
         session_id: str | None = None,
         cache_pins: Iterable[CachePin] = (),
+        cache_salt: Salt | str | None = None,
     ) -> str: ...
 
     def abort(self, request_id: str) -> None: ...

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from shoal.engine.hashing import Salt
     from shoal.engine.ngram import NgramIndex
     from shoal.engine.pins import CachePin
 
@@ -35,6 +36,7 @@ class Sequence:
     session_id: str | None = None
     prompt: str | None = None
     cache_pins: tuple[CachePin, ...] = ()  # prefixes to keep pinned in the store once it ends
+    salt: Salt | None = None  # only requests with the same salt reuse its KV (`hashing.Salt`)
 
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING
 
 from shoal.engine.block_pool import BlockPool, cdiv
 from shoal.engine.block_store import BlockStore
-from shoal.engine.hashing import session_hashes
+from shoal.engine.hashing import Salt, session_hashes
 from shoal.engine.sequence import Sequence
 from shoal.engine.session_manifests import SessionManifests
 
@@ -76,6 +76,7 @@ class Session:
     block_ids: list[int] = field(default_factory=list)  # in-pool KV; empty when not resident
     last_used: float = field(default_factory=time.time)  # wall clock: it is persisted
     saved: bool = False  # a manifest of exactly `token_ids` is on disk, with its blocks
+    salt: Salt | None = None  # the salt its hashes were computed with (its last turn's)
 
     @property
     def resident(self) -> bool:
@@ -140,7 +141,7 @@ class SessionManager:
         self._sessions: dict[str, Session] = {}
         for m in manifests.scan():
             session = Session(m.session_id, SessionState.SPILLED, last_used=m.last_used)
-            self._take_tokens(session, m.token_ids)
+            self._take_tokens(session, m.token_ids, salt=m.cache_salt())
             session.saved = True
             self._sessions[m.session_id] = session
 
@@ -154,19 +155,23 @@ class SessionManager:
     def get(self, session_id: str) -> Session | None:
         return self._sessions.get(session_id)
 
-    def find(self, session_id: str, prompt: list[int]) -> Session | None:
-        """The session whose KV a turn with `prompt` should reuse: the one held here, unless it
-        is idle and the shared folder holds a copy covering more of `prompt` (another engine
-        served the later turns, or this one died before saving): that copy is adopted, even over
-        an older turn in this pool. Reading a token's KV costs far less than recomputing it
-        (SmolLM2 in float32: 46 KB against ~0.27 GFLOP)."""
+    def find(self, session_id: str, prompt: list[int], salt: Salt | None = None) -> Session | None:
+        """The session whose KV a turn with `prompt` and `salt` should reuse: the one held
+        here, unless it is idle and the shared folder holds a copy with that salt covering more
+        of `prompt` (another engine served the later turns, or this one died before saving):
+        that copy is adopted, even over an older turn in this pool. Reading a token's KV costs
+        far less than recomputing it (SmolLM2 in float32: 46 KB against ~0.27 GFLOP). A
+        session whose salt is not `salt` is returned, but its KV is not reused."""
         self._forget_unpinned()
         session = self._sessions.get(session_id)
         if self.shared is None or (session is not None and session.running):
             return session
         copy = self.shared.peek(session_id)
-        if copy is None or (
+        if copy is None or copy.cache_salt() != salt:
+            return session
+        if (
             session is not None
+            and session.salt == salt
             and common_prefix_len(session.token_ids, prompt)
             >= common_prefix_len(copy.token_ids, prompt)
         ):
@@ -177,7 +182,7 @@ class SessionManager:
             self.pool.free(reversed(session.block_ids))
             session.block_ids = []
             self._move(session, SessionState.SPILLED)
-        self._take_tokens(session, copy.token_ids)
+        self._take_tokens(session, copy.token_ids, salt=salt)
         session.saved = False
         return session
 
@@ -206,10 +211,18 @@ class SessionManager:
         assert (session.state, to) in _LEGAL, f"session {session.state} -> {to}"
         session.state = to
 
-    def _take_tokens(self, session: Session, token_ids: list[int], known: Seq[bytes] = ()) -> None:
-        """Make `token_ids` the session's KV, pinned in the store under the session's name."""
+    def _take_tokens(
+        self,
+        session: Session,
+        token_ids: list[int],
+        known: Seq[bytes] = (),
+        salt: Salt | None = None,
+    ) -> None:
+        """Make `token_ids` (hashed with `salt`) the session's KV, pinned in the store under
+        the session's name."""
         session.token_ids = list(token_ids)
-        session.hashes = session_hashes(self.root, token_ids, self.pool.block_size, known)
+        session.salt = salt
+        session.hashes = session_hashes(self.root, token_ids, self.pool.block_size, known, salt)
         self.store.pins.pin(PIN + session.session_id, session.hashes)
 
     # -- a turn's life -------------------------------------------------------------------------
@@ -238,7 +251,7 @@ class SessionManager:
             kept = cdiv(n, self.pool.block_size)
             old = session.block_ids
             session.block_ids, seq.block_table = seq.block_table[:kept], seq.block_table[kept:]
-            self._take_tokens(session, seq.tokens_slice(0, n), seq.block_hashes)
+            self._take_tokens(session, seq.tokens_slice(0, n), seq.block_hashes, seq.salt)
             for block_id, h in zip(session.block_ids, session.hashes, strict=True):
                 self.pool.cache(block_id, h)
             session.saved = False
@@ -247,7 +260,7 @@ class SessionManager:
             if self.shared is not None:
                 blocks = dict(zip(session.hashes, session.block_ids, strict=True))
                 self.shared.publish(
-                    session.session_id, session.token_ids, blocks, session.last_used
+                    session.session_id, session.token_ids, blocks, session.last_used, session.salt
                 )
         self._settle(session)
 
@@ -319,7 +332,7 @@ class SessionManager:
                 session.token_ids = session.token_ids[: n * self.pool.block_size]
                 session.hashes = session.hashes[:n]
             if session.token_ids and self.manifests.write(
-                session.session_id, session.token_ids, session.last_used
+                session.session_id, session.token_ids, session.last_used, session.salt
             ):
                 session.saved = True
                 self.stats.disk_writes += 1

@@ -36,7 +36,7 @@ from typing import Protocol
 
 from shoal.durable import fsync_dir, write_synced
 from shoal.engine.block_files import BlockFiles, KVLayout
-from shoal.engine.hashing import session_hashes
+from shoal.engine.hashing import Salt, session_hashes
 from shoal.engine.host_tier import Payload, nbytes
 from shoal.engine.session_manifests import (
     SessionManifest,
@@ -66,6 +66,7 @@ class _Turn:
     nbytes: int
     last_used: float
     published: float  # monotonic: when the oldest turn this one replaced ended
+    salt: Salt | None = None
 
 
 @dataclass(slots=True)
@@ -117,10 +118,15 @@ class SharedTier:
 
     # -- writing (publish on the step thread; files on the writer thread) -------------------
     def publish(
-        self, session_id: str, token_ids: list[int], blocks: dict[bytes, int], last_used: float
+        self,
+        session_id: str,
+        token_ids: list[int],
+        blocks: dict[bytes, int],
+        last_used: float,
+        salt: Salt | None = None,
     ) -> None:
-        """Queue a session's turn: `blocks` (hash -> pool block, in order) hold `token_ids`; a
-        copy is taken now of those the folder is not known to hold."""
+        """Queue a session's turn: `blocks` (hash -> pool block, in order, hashed with
+        `salt`) hold `token_ids`; a copy is taken now of those the folder is not known to hold."""
         with self._cond:
             new = [h for h in blocks if h not in self._known]
         payloads = self.codec.read_blocks([blocks[h] for h in new]) if new else []
@@ -132,6 +138,7 @@ class SharedTier:
             sum(map(nbytes, payloads)),
             last_used,
             time.monotonic(),
+            salt,
         )
         with self._cond:
             while self._pending and self._pending_bytes + turn.nbytes > self.max_pending_bytes:
@@ -217,7 +224,9 @@ class SharedTier:
                 folders.add(self.files.path(h).parent)
         for folder in folders:  # the blocks' names, before the manifest that needs them
             fsync_dir(folder)
-        m = SessionManifest.new(self.layout, turn.session_id, turn.token_ids, turn.last_used)
+        m = SessionManifest.new(
+            self.layout, turn.session_id, turn.token_ids, turn.last_used, turn.salt
+        )
         staged = self.sessions_dir / f"{manifest_name(turn.session_id)}.{uuid.uuid4().hex[:12]}.tmp"
         try:
             write_synced(staged, m.encode())
@@ -299,7 +308,8 @@ class SharedTier:
                 m = read_manifest(path, self.layout)
             except Exception:
                 continue
-            named.update(session_hashes(self.root, m.token_ids, self.layout.block_size))
+            bs = self.layout.block_size
+            named.update(session_hashes(self.root, m.token_ids, bs, salt=m.cache_salt()))
         for h, _, mtime in list(self.files.scan(sweep_tmp_older_than=SWEEP_AGE_S)):
             if h not in named and mtime < cutoff:
                 self.files.delete(h)

@@ -29,6 +29,7 @@ from shoal.backends.mlx.kv import ModelCacheSpec
 from shoal.backends.mlx.loader import MLXModel, load_gguf
 from shoal.config import EngineConfig
 from shoal.engine.block_pool import BlockPool
+from shoal.engine.hashing import Salt
 from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.pins import CachePin
 from shoal.engine.requests import RequestTable
@@ -103,11 +104,12 @@ class MLXEngine:
         priority: int = 0,
         session_id: str | None = None,
         cache_pins: Iterable[CachePin] = (),
+        cache_salt: Salt | str | None = None,
     ) -> str:
         """Validate and queue a request; returns its id (see `Engine.add_request`; cache pins
         need prefix caching, which this backend does not do, so they keep nothing here)."""
         self._requests.check_open()
-        seq = self.core.inputs.process(prompt, params, request_id, priority, session_id)
+        seq = self.core.inputs.process(prompt, params, request_id, priority, session_id, cache_salt)
         seq.cache_pins = tuple(cache_pins)
         with self._requests.lock:
             self._requests.check_new(seq.request_id)
