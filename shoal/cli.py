@@ -17,6 +17,7 @@ from shoal.config import BACKENDS, EngineConfig, GiB, MiB
 from shoal.errors import ShoalError
 from shoal.quota.cli import add_parser as add_quota_parser
 from shoal.sampling_params import SamplingParams
+from shoal.server.keys import add_parser as add_keys_parser
 
 if TYPE_CHECKING:
     from shoal.server.state import ServerConfig
@@ -169,6 +170,14 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         except (OSError, ShoalError) as e:
             print(f"shoal serve: --quota: {e}", file=sys.stderr)
             return None
+    if args.keys:  # a keys file that cannot be used: one line, before the model loads
+        from shoal.server.keys import read_keys
+
+        try:
+            read_keys(args.keys)
+        except ShoalError as e:
+            print(f"shoal serve: {e}", file=sys.stderr)
+            return None
     if args.batch_lease_s <= 0:
         print("shoal serve: --batch-lease-s must be positive", file=sys.stderr)
         return None
@@ -182,6 +191,8 @@ def _server_config(args: argparse.Namespace) -> ServerConfig | None:
         ),
         data_dir=Path(args.data_dir),
         api_key=args.api_key,
+        keys_file=Path(args.keys) if args.keys else None,
+        metrics_key=args.metrics_key,
         batch_concurrency=args.batch_concurrency,
         quota_config=Path(args.quota) if args.quota else None,
         store=args.store,
@@ -221,12 +232,18 @@ def _server_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--data-dir", default="./shoal-data", help="files, batches, sessions")
     serve.add_argument("--api-key", default=None, help="require this Bearer token")
+    serve.add_argument(
+        "--keys",
+        default=None,
+        help="a TOML file of hashed API keys, each a tenant's (docs/tenancy.md); SIGHUP reloads it",
+    )
+    serve.add_argument("--metrics-key", default=None, help="/metrics asks for this key")
     serve.add_argument("--max-waiting", type=int, default=1024, help="queued requests before 429")
     serve.add_argument(
         "--batch-concurrency", type=int, default=0, help="batch requests in flight (0: 2 x seqs)"
     )
     serve.add_argument(
-        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per API key"
+        "--quota", default=None, help="limits file with a [serve] rpm/tpm budget per tenant or key"
     )
     serve.add_argument(
         "--store",
@@ -350,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     bf.set_defaults(func=_batchify)
 
     add_quota_parser(sub)
+    add_keys_parser(sub)
     add_cluster_parser(sub, _server_arguments, _server_config)
 
     args = parser.parse_args(argv)

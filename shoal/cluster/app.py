@@ -82,7 +82,14 @@ def build_application(config: ClusterConfig) -> Any:
     )(Ingress)
     # Every replica is given the same `--store` (else each keeps SQLite in its own data dir).
     shared_store = server.store is not None
-    return ingress.bind(replica.bind(server), server.max_upload_bytes, shared_store)
+    return ingress.bind(
+        replica.bind(server),
+        server.max_upload_bytes,
+        shared_store,
+        api_key=server.api_key,
+        keys_file=str(server.keys_file) if server.keys_file else None,
+        metrics_key=server.metrics_key,
+    )
 
 
 def start_local(

@@ -16,7 +16,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from shoal.server.ids import chain_of
@@ -41,16 +41,40 @@ class Route:
     def key(self) -> str | None:
         return self.session_id or self.affinity
 
+    def within(self, tenant: str | None) -> Route:
+        """The route in a tenant's namespace (`--keys`), as the replicas name its sessions:
+        tenants' like-named sessions and like prompts are told apart."""
+        if tenant is None:
+            return self
+        sid, key = self.session_id, self.affinity
+        return replace(
+            self,
+            session_id=f"{tenant}/{sid}" if sid else None,
+            affinity=f"{tenant}/{key}" if key and key != BATCH_KEY else key,
+        )
+
 
 def route_for(
-    method: str, path: str, headers: Mapping[str, str], body: bytes, shared_store: bool = False
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    body: bytes,
+    shared_store: bool = False,
+    tenant: str | None = None,
 ) -> Route:
     """The route of an HTTP request: its session id (the `X-Session-Id` header, or the body's
-    `session_id`), else its prompt prefix, else nothing (load alone decides).
+    `session_id`), else its prompt prefix, else nothing (load alone decides); in `tenant`'s
+    namespace when given.
 
     The Files and Batch APIs go to one home while each replica keeps its own store; with a
     `shared_store` every replica answers them alike, so load decides.
     """
+    return _route(method, path, headers, body, shared_store).within(tenant)
+
+
+def _route(
+    method: str, path: str, headers: Mapping[str, str], body: bytes, shared_store: bool
+) -> Route:
     if path.startswith(BATCH_API):
         return Route() if shared_store else Route(affinity=BATCH_KEY)
     if path == RESPONSES_API or path.startswith(RESPONSES_API + "/"):

@@ -25,6 +25,7 @@ from shoal.quota.service import QuotaService
 from shoal.quota.wire import complete_from_wire, reserve_from_wire, to_wire
 from shoal.server.errors import install_handlers
 from shoal.server.middleware import Guard
+from shoal.server.tenancy import Tenancy
 
 MiB = 1 << 20
 
@@ -109,7 +110,8 @@ def create_app(
 
     app.add_middleware(
         Guard,
-        api_key=api_key,
+        tenancy=Tenancy(api_key),
+        metrics_key=None,
         max_body=max_body_bytes,
         max_upload=max_body_bytes,
     )

@@ -15,16 +15,19 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import signal
 import sys
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from types import FrameType
+from typing import Annotated
 
-from fastapi import FastAPI
+from fastapi import Depends, FastAPI, HTTPException
 
 from shoal.engine.async_engine import AsyncEngine
 from shoal.engine.protocol import EngineProtocol, create_engine
+from shoal.errors import ShoalError
 from shoal.quota.errors import QuotaError
 from shoal.quota.http import create_router
 from shoal.quota.metrics import QuotaMetrics
@@ -34,6 +37,7 @@ from shoal.server.anthropic import messages as anthropic_messages
 from shoal.server.batch_runner import BatchRunner
 from shoal.server.datadir import DataDirBusyError, DataDirLock
 from shoal.server.errors import install_handlers
+from shoal.server.keys import KeysError
 from shoal.server.line_gate import LineGate
 from shoal.server.metrics import ServerMetrics
 from shoal.server.middleware import Guard
@@ -44,6 +48,7 @@ from shoal.server.responses.service import Responses
 from shoal.server.serving import Serving
 from shoal.server.state import ServerConfig, ServerState
 from shoal.server.store import Store, StoreError, open_store
+from shoal.server.tenancy import DEFAULT, Tenancy, Tenant, get_tenant
 
 log = logging.getLogger("shoal.server")
 
@@ -67,7 +72,8 @@ def create_app(
 ) -> FastAPI:
     """The app; the engine loads and the store opens at startup unless given. With a quota
     config, its routes are served too and requests are admitted through it
-    (`server/quota.py`)."""
+    (`server/quota.py`). A keys file that cannot be used raises `KeysError` here."""
+    tenancy = Tenancy(config.api_key, config.keys_file)
     gate = QuotaGate.open(config.quota_config, config.data_dir) if config.quota_config else None
 
     @asynccontextmanager
@@ -76,6 +82,7 @@ def create_app(
         lock.acquire()
         db = store or open_store(config.store_url)
         eng = engine or build_engine(config)
+        _tokenize_shared(tenancy, eng)
         aeng = AsyncEngine(eng)
         serving = Serving(eng, aeng, ServerMetrics(eng, config.describe()), config.schema_limits)
         if gate is not None:  # the quota's counters and usage join the server's /metrics
@@ -94,8 +101,9 @@ def create_app(
             lease_s=config.batch_lease_s,
             responses=responses,
             gate=LineGate(config.batch_gate) if config.batch_gate else None,
+            tenancy=tenancy,
         )
-        state = ServerState(config, serving, db, runner, gate, responses=responses)
+        state = ServerState(config, serving, db, runner, gate, responses=responses, tenancy=tenancy)
         app.state.shoal = state
         await responses.start()
         runner.start()
@@ -124,6 +132,7 @@ def create_app(
         description="OpenAI-compatible completions, chat, Responses and Batch API; Anthropic "
         "Messages and Message Batches.",
     )
+    app.state.tenancy = tenancy
     install_handlers(app)
     app.include_router(routes.router)
     app.include_router(responses_routes.router)
@@ -133,14 +142,30 @@ def create_app(
     app.include_router(anthropic_messages.router)
     app.include_router(anthropic_batches.router)
     if gate is not None:
-        app.include_router(create_router(gate.service, health=False))
+        operator = [Depends(_operator_only)] if tenancy.keyed else []
+        app.include_router(create_router(gate.service, health=False), dependencies=operator)
     app.add_middleware(
         Guard,
-        api_key=config.api_key,
+        tenancy=tenancy,
+        metrics_key=config.metrics_key,
         max_body=config.max_body_bytes,
         max_upload=config.max_upload_bytes,
     )
     return app
+
+
+def _tokenize_shared(tenancy: Tenancy, engine: EngineProtocol) -> None:
+    try:
+        tenancy.tokenize(engine.encode)
+    except ShoalError as e:  # no tokenizer: only shared_prefix_tokens can be declared
+        log.warning("shared_prefix texts are not used: %s", e)
+
+
+def _operator_only(tenant: Annotated[Tenant, Depends(get_tenant)]) -> None:
+    """The quota service's routes spend and change any budget: with `--keys`, they answer
+    the `default` tenant (the operator's `--api-key`) only; to the others they are not there."""
+    if tenant.name != DEFAULT:
+        raise HTTPException(404, "Not Found")
 
 
 def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
@@ -158,9 +183,19 @@ def run_server(config: ServerConfig, host: str, port: int, log_level: str = "inf
     probe.release()
     try:
         app = create_app(config, store=open_store(config.store_url))
-    except (StoreError, QuotaError) as e:
+    except (StoreError, QuotaError, KeysError) as e:
         print(f"shoal serve: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+    tenancy: Tenancy = app.state.tenancy
+
+    def reload_keys(sig: int, frame: FrameType | None) -> None:
+        try:
+            tenancy.reload()
+        except KeysError as e:  # the server keeps the keys it had
+            log.error("keys not reloaded: %s", e)
+
+    signal.signal(signal.SIGHUP, reload_keys)  # key rotation: edit the file, then kill -HUP
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:

@@ -2,17 +2,17 @@
 
 `execute_line` answers one line through the same `prepare_*` and `respond` as the HTTP
 routes (so a batch line and an interactive request with the same body are validated and
-answered the same way; only the priority differs). The runner keeps one task per active batch
-on this server, and a watcher picks up batches that other servers created. Each replica
-claims lines as it has room (`concurrency` batch requests in its engine at once), so a batch
-fans out over every replica; each finished request is written to the store before anything
-else happens, keyed by `(batch_id, custom_id)`, so nothing is lost and nothing is written
-twice. A replica that dies stops its heartbeat; its claims lapse after `lease_s` and the
-others re-take its lines. Every status change is a compare-and-set in the store, and one
-replica at a time finalizes, so validation, cancellation, expiry and the output files happen
-once, whichever replica gets there. Cancelling or expiring aborts what is in flight; shutdown
-stops launching, lets in-flight requests finish for a grace period, aborts the rest and hands
-their lines back.
+answered the same way; only the priority differs), as the batch's tenant. The runner keeps
+one task per active batch on this server, and a watcher picks up batches that other servers
+created. Each replica claims lines as it has room (`concurrency` batch requests in its
+engine at once), so a batch fans out over every replica; each finished request is written to
+the store before anything else happens, keyed by `(batch_id, custom_id)`, so nothing is lost
+and nothing is written twice. A replica that dies stops its heartbeat; its claims lapse
+after `lease_s` and the others re-take its lines. Every status change is a compare-and-set
+in the store, and one replica at a time finalizes, so validation, cancellation, expiry and
+the output files happen once, whichever replica gets there. Cancelling or expiring aborts
+what is in flight; shutdown stops launching, lets in-flight requests finish for a grace
+period, aborts the rest and hands their lines back.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from shoal.server.store import (
     Store,
     StoreError,
 )
+from shoal.server.tenancy import Tenancy, Tenant
 
 if TYPE_CHECKING:
     from shoal.server.responses.service import Responses
@@ -66,25 +67,26 @@ async def execute_line(
     endpoint: str,
     body: dict[str, Any],
     priority: int,
+    tenant: Tenant,
     responses: Responses | None = None,
 ) -> LineResult:
-    """One batch request, answered as the HTTP route would answer it (`/v1/responses` lines
-    through `responses`: they read and store responses)."""
+    """One batch request of `tenant`'s, answered as the HTTP route would answer it
+    (`/v1/responses` lines through `responses`: they read and store responses)."""
     if endpoint == MESSAGES:
-        return LineResult(*await anthropic_messages.run_line(serving, body, priority))
+        return LineResult(*await anthropic_messages.run_line(serving, body, priority, tenant))
     try:
         if endpoint == RESPONSES:
             if responses is None:
                 raise APIError(400, "this server does not run /v1/responses lines")
-            answer = await responses.run_line(body, priority)
+            answer = await responses.run_line(body, priority, tenant)
             used = answer["usage"]
             return LineResult(200, answer, used["input_tokens"], used["output_tokens"])
         if endpoint == "/v1/chat/completions":
             req: Any = ChatCompletionRequest.model_validate(body)
-            prep = await prepare_chat(serving, req, priority=priority)
+            prep = await prepare_chat(serving, req, tenant=tenant, priority=priority)
         else:
             req = CompletionRequest.model_validate(body)
-            prep = await prepare_completion(serving, req, priority=priority)
+            prep = await prepare_completion(serving, req, tenant=tenant, priority=priority)
         result = await respond(serving, prep)
     except ValidationError as e:
         errs = e.errors()
@@ -113,6 +115,7 @@ class BatchRunner:
         watch_s: float = 1.0,
         responses: Responses | None = None,
         gate: LineGate | None = None,
+        tenancy: Tenancy | None = None,
     ) -> None:
         """`poll_s`: how often a batch waiting for room looks again; `watch_s`: how often
         the store is asked for new batches and for status changes made elsewhere; `gate`: a
@@ -129,6 +132,8 @@ class BatchRunner:
         self._busy = 0  # this server's batch requests in flight, all batches together
         self._heartbeat = Heartbeat(store, replica, lease_s)
         self._gate = gate
+        self.tenancy = tenancy or Tenancy()
+        self._owners: dict[str, Tenant] = {}  # whose lines each running batch's are
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._cancel: dict[str, asyncio.Event] = {}
         self._watcher: asyncio.Task[None] | None = None
@@ -164,6 +169,7 @@ class BatchRunner:
         def done(t: asyncio.Task[None]) -> None:
             self._tasks.pop(batch_id, None)
             self._cancel.pop(batch_id, None)
+            self._owners.pop(batch_id, None)
             if not t.cancelled() and t.exception() is not None:
                 log.error("batch %s failed", batch_id, exc_info=t.exception())
 
@@ -199,7 +205,7 @@ class BatchRunner:
 
     # -- one batch -------------------------------------------------------------------------
     def _lines(self, obj: dict[str, Any]) -> tuple[list[BatchLine], list[dict[str, Any]]]:
-        chunks = self.store.read_file(obj["input_file_id"])
+        chunks = self.store.read_file(obj["input_file_id"], tenant=None)
         if chunks is None:
             gone = {"code": "file_not_found", "message": "the input file is gone"}
             return [], [{**gone, "param": "input_file_id", "line": None}]
@@ -209,8 +215,10 @@ class BatchRunner:
         """Take the batch from whatever status it is in to the end, or as far as this
         replica can: every step re-reads the status, since another replica may move it."""
         parsed: tuple[list[BatchLine], list[dict[str, Any]]] | None = None
+        owner = await self._call(self.store.batch_tenant, batch_id)
+        self._owners[batch_id] = self.tenancy.tenant(owner)
         while not self._stopping:
-            obj = await self._call(self.store.get_batch, batch_id)
+            obj = await self._call(self.store.get_batch, batch_id, tenant=None)
             if obj is None or obj["status"] in TERMINAL:
                 return
             status = BatchStatus(obj["status"])
@@ -310,7 +318,7 @@ class BatchRunner:
         """One round: check the status (when `look`) and the expiry, claim as many lines as
         there are free slots, or wait. False once the batch is not in progress here."""
         if look:
-            now = await self._call(self.store.get_batch, batch_id)
+            now = await self._call(self.store.get_batch, batch_id, tenant=None)
             if now is None or now["status"] != BatchStatus.IN_PROGRESS:
                 return False
         if expires_at is not None and time.time() >= expires_at:
@@ -347,8 +355,11 @@ class BatchRunner:
         task.add_done_callback(done)
 
     async def _one(self, batch_id: str, ln: BatchLine) -> None:
+        tenant = self._owners[batch_id]
         while True:
-            r = await execute_line(self.serving, ln.url, ln.body, self.priority, self.responses)
+            r = await execute_line(
+                self.serving, ln.url, ln.body, self.priority, tenant, self.responses
+            )
             if r.status == 429:  # the engine queue is full: wait, do not fail the request
                 await asyncio.sleep(0.5)
                 continue

@@ -1,6 +1,7 @@
 """`/v1/batches`: create, get, list (paginated with `after` and `limit`), cancel.
 
-Routes only read and write batch objects; running them is the `BatchRunner`'s job.
+Routes only read and write batch objects; running them is the `BatchRunner`'s job. A batch
+is its tenant's (its lines run as that tenant): another tenant gets 404.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from shoal.server.ids import new_id
 from shoal.server.jsonl import ENDPOINTS
 from shoal.server.protocol import BatchCreateRequest
 from shoal.server.state import ServerState, get_state
+from shoal.server.tenancy import Tenant, get_tenant
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
+Caller = Annotated[Tenant, Depends(get_tenant)]
 
 WINDOWS = {"24h": 24 * 3600}
 
@@ -33,15 +36,15 @@ def live(state: ServerState, obj: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
-def get_live(state: ServerState, batch_id: str) -> dict[str, Any]:
-    obj = state.store.get_batch(batch_id)
+def get_live(state: ServerState, tenant: Tenant, batch_id: str) -> dict[str, Any]:
+    obj = state.store.get_batch(batch_id, tenant=tenant.name)
     if obj is None:
         raise not_found("batch", batch_id, "batch_id")
     return live(state, obj)
 
 
 @router.post("/v1/batches")
-async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
+async def create_batch(state: State, tenant: Caller, req: BatchCreateRequest) -> dict[str, Any]:
     if req.endpoint not in ENDPOINTS:
         raise APIError(400, f"endpoint must be one of {', '.join(ENDPOINTS)}", param="endpoint")
     if req.completion_window not in WINDOWS:
@@ -51,16 +54,17 @@ async def create_batch(state: State, req: BatchCreateRequest) -> dict[str, Any]:
             raise APIError(
                 400, "metadata keys hold at most 64 characters and values 512", param="metadata"
             )
-    f = state.store.get_file(req.input_file_id)
+    f = state.store.get_file(req.input_file_id, tenant=tenant.name)
     if f is None:
         raise not_found("file", req.input_file_id, "input_file_id")
     if f["purpose"] != "batch":
         raise APIError(400, "the input file must have purpose 'batch'", param="input_file_id")
-    return start_batch(state, req.endpoint, req.input_file_id, req.metadata)
+    return start_batch(state, tenant, req.endpoint, req.input_file_id, req.metadata)
 
 
 def start_batch(
     state: ServerState,
+    tenant: Tenant,
     endpoint: str,
     input_file_id: str,
     metadata: dict[str, str] | None,
@@ -96,37 +100,40 @@ def start_batch(
         "model": None,
         "usage": None,
     }
-    state.store.create_batch(obj)
+    state.store.create_batch(obj, tenant=tenant.name)
     state.runner.submit(obj["id"])
     return obj
 
 
 @router.get("/v1/batches/{batch_id}")
-async def get_batch(state: State, batch_id: str) -> dict[str, Any]:
-    return get_live(state, batch_id)
+async def get_batch(state: State, tenant: Caller, batch_id: str) -> dict[str, Any]:
+    return get_live(state, tenant, batch_id)
 
 
 @router.get("/v1/batches")
 async def list_batches(
     state: State,
+    tenant: Caller,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
 ) -> dict[str, Any]:
-    data, has_more = state.store.list_batches(after=after, limit=limit, endpoints=ENDPOINTS)
+    data, has_more = state.store.list_batches(
+        tenant=tenant.name, after=after, limit=limit, endpoints=ENDPOINTS
+    )
     data = [live(state, b) for b in data]
     return list_page(data, has_more)
 
 
 @router.post("/v1/batches/{batch_id}/cancel")
-async def cancel_batch(state: State, batch_id: str) -> dict[str, Any]:
-    obj = get_live(state, batch_id)
+async def cancel_batch(state: State, tenant: Caller, batch_id: str) -> dict[str, Any]:
+    obj = get_live(state, tenant, batch_id)
     status = BatchStatus(obj["status"])
     if status in (BatchStatus.CANCELLING, BatchStatus.CANCELLED):
         return obj
     if status in TERMINAL or status is BatchStatus.FINALIZING:
         raise APIError(400, f"cannot cancel a batch whose status is {status}", param="batch_id")
     request_cancel(state, batch_id)
-    return get_live(state, batch_id)
+    return get_live(state, tenant, batch_id)
 
 
 def request_cancel(state: ServerState, batch_id: str) -> None:

@@ -1,5 +1,6 @@
 """ASGI middleware: API-key auth (constant-time; `Authorization: Bearer` or Anthropic's
-`x-api-key`), body-size limits, 503 while shutting down.
+`x-api-key`), which names the request's tenant (`tenancy.py`), body-size limits, 503 while
+shutting down. `/health` is open; `/metrics` too, unless `--metrics-key` guards it.
 
 Plain ASGI rather than FastAPI dependencies, so these checks run before any body is read or
 parsed: an unauthorized or oversized request costs no memory, and a request arriving during
@@ -8,6 +9,7 @@ shutdown is refused before it can reach the engine.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
 
@@ -15,8 +17,9 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from shoal.server.errors import body_for
+from shoal.server.tenancy import TENANT, Tenancy, Tenant
 
-OPEN_PATHS = ("/health", "/metrics")
+METRICS = "/metrics"
 UPLOAD_PATHS = ("/v1/files", "/v1/messages/batches")  # bodies under the upload limit
 
 
@@ -44,12 +47,14 @@ class Guard:
         self,
         app: ASGIApp,
         *,
-        api_key: str | None,
+        tenancy: Tenancy,
+        metrics_key: str | None,
         max_body: int,
         max_upload: int,
     ) -> None:
         self.app = app
-        self.key = api_key.encode() if api_key else None
+        self.tenancy = tenancy
+        self.metrics_key = _digest(metrics_key.encode()) if metrics_key else None
         self.max_body = max_body
         self.max_upload = max_upload
 
@@ -59,26 +64,24 @@ class Guard:
         return state is not None and bool(state.shutting_down)
 
     def _authorized(self, scope: Scope) -> bool:
-        if self.key is None or scope["path"] in OPEN_PATHS:
+        """Whether the request may go on; a tenant's request learns its tenant."""
+        path = scope["path"]
+        if path == "/health":
             return True
-        header, api_key = b"", None
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                header = v
-            elif k == b"x-api-key":  # Anthropic's SDKs send the key here
-                api_key = v
-        if api_key is not None:
-            return hmac.compare_digest(api_key.strip(), self.key)
-        scheme, _, token = header.partition(b" ")
-        # Compare in constant time whatever the input (a wrong scheme compares too).
-        ok = hmac.compare_digest(token.strip(), self.key)
-        return ok and scheme.lower() == b"bearer"
+        key = presented_key(scope)
+        if path == METRICS:
+            return self.metrics_key is None or (
+                key is not None and hmac.compare_digest(_digest(key), self.metrics_key)
+            )
+        tenant: Tenant | None = self.tenancy.authenticate(key)
+        scope[TENANT] = tenant
+        return tenant is not None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        if self._shutting_down(scope) and scope["path"] != "/metrics":
+        if self._shutting_down(scope) and scope["path"] != METRICS:
             await _send_error(send, scope, 503, "the server is shutting down", {"Retry-After": "5"})
             return
         if not self._authorized(scope):
@@ -114,3 +117,21 @@ class Guard:
         except _BodyTooLarge:
             if not started:
                 await _send_error(send, scope, 413, f"the request body exceeds {limit} bytes", {})
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key.strip()).digest()
+
+
+def presented_key(scope: Scope) -> bytes | None:
+    """The key a request presents: `x-api-key` (Anthropic's SDKs), else a Bearer token."""
+    header = None
+    for k, v in scope.get("headers", []):
+        if k == b"x-api-key":
+            return bytes(v)
+        if k == b"authorization":
+            header = bytes(v)
+    if header is None:
+        return None
+    scheme, _, token = header.partition(b" ")
+    return token if scheme.lower() == b"bearer" else None

@@ -42,6 +42,8 @@ class _Sampling(_Request):
     session_id: str | None = Field(None, min_length=1, max_length=256)
     # OpenAI's cache hint: this conversation's KV is kept in the store like a session's.
     prompt_cache_key: str | None = Field(None, min_length=1, max_length=256)
+    # vLLM's: only requests with the same salt (and tenant) reuse this request's KV.
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)
     # Extensions (vLLM-style): accepted by shoal, ignored by OpenAI.
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)

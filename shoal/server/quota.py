@@ -1,4 +1,5 @@
-"""`shoal serve --quota CONFIG`: admission through `shoal.quota`, per API key and model.
+"""`shoal serve --quota CONFIG`: admission through `shoal.quota`, per tenant (or API key)
+and model.
 
 CONFIG is a limits file as `shoal quota serve` reads it, plus a `[serve]` table giving each
 (API key, model) pair its budget over a rolling window:
@@ -9,10 +10,13 @@ CONFIG is a limits file as `shoal quota serve` reads it, plus a `[serve]` table 
     window_s = 60     # with the tokens the answer really used
 
 A request over budget is refused at once with 429, `Retry-After` and an OpenAI-style error
-(the official SDKs wait and retry); one that could never fit is a 400. The API key is the
-caller's Bearer token, kept only as a hash in limit keys; without one the caller is
-`anonymous`. The quota routes (`/v1/reserve/batch`, ...) are served beside the OpenAI ones,
-so jobs elsewhere can share the same budgets. Batch API lines are not metered here.
+(the official SDKs wait and retry); one that could never fit is a 400. With `--keys`, the
+budget is the tenant's (`serve:tenant-<quota_key>:<model>:...`, with the tenant's own `rpm`
+and `tpm` when its entry gives them); without, the API key is the caller's Bearer token,
+kept only as a hash in limit keys, and without one the caller is `anonymous`. The quota
+routes (`/v1/reserve/batch`, ...) are served beside the OpenAI ones, so jobs elsewhere can
+share the same budgets (with `--keys`, to the `default` tenant only: the operator's).
+Batch API lines are not metered here.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from shoal.quota.limits import (
 from shoal.server import formatting as fmt
 from shoal.server.errors import APIError
 from shoal.server.serving import Prepared
+from shoal.server.tenancy import Tenant
 
 log = logging.getLogger("shoal.server")
 _RETRY = {"Retry-After": "1"}
@@ -91,7 +96,7 @@ class QuotaGate:
         self.service = service
         self.budget = budget
         self.client = AsyncQuotaClient.local(service)  # concurrent arrivals share batches
-        self._declared: set[str] = set()
+        self._declared: set[Limit] = set()
 
     @classmethod
     def open(cls, path: str | Path, data_dir: str | Path) -> QuotaGate:
@@ -99,32 +104,42 @@ class QuotaGate:
         config, budget = read_config(path)
         return cls(QuotaService.open(config, data_dir=data_dir), budget)
 
-    def _limits(self, authorization: str | None, model: str) -> tuple[Limit | None, Limit | None]:
-        scheme, _, token = (authorization or "").partition(" ")
-        token = token.strip() if scheme.lower() == "bearer" else ""
-        tenant = "key-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
-        base = f"serve:{tenant}:{re.sub(r'[^!-~]', '_', model)[:120]}"
+    def _limits(
+        self, tenant: Tenant, authorization: str | None, model: str
+    ) -> tuple[Limit | None, Limit | None]:
+        if tenant.quota_key is not None:
+            who = f"tenant-{tenant.quota_key}"
+        else:
+            scheme, _, token = (authorization or "").partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else ""
+            who = "key-" + hashlib.sha256(token.encode()).hexdigest()[:16] if token else "anonymous"
+        base = f"serve:{who}:{re.sub(r'[^!-~]', '_', model)[:120]}"
         b = self.budget
         rate = LimitKind.RATE
-        rpm = Limit(f"{base}:rpm", rate, b.rpm, b.window_s) if b.rpm else None
-        tpm = Limit(f"{base}:tpm", rate, b.tpm, b.window_s) if b.tpm else None
+        rpm_cap = tenant.rpm if tenant.rpm is not None else b.rpm
+        tpm_cap = tenant.tpm if tenant.tpm is not None else b.tpm
+        rpm = Limit(f"{base}:rpm", rate, rpm_cap, b.window_s) if rpm_cap else None
+        tpm = Limit(f"{base}:tpm", rate, tpm_cap, b.window_s) if tpm_cap else None
         return rpm, tpm
 
-    async def admit(self, authorization: str | None, prep: Prepared) -> Meter | Unmetered:
-        """Reserve one request and its most tokens (prompt + max_tokens of every choice);
-        raises `APIError` when refused."""
-        rpm, tpm = self._limits(authorization, prep.model)
+    async def admit(
+        self, tenant: Tenant, authorization: str | None, prep: Prepared
+    ) -> Meter | Unmetered:
+        """Reserve one request and its most tokens (prompt + max_tokens of every choice)
+        against the tenant's budget (or the Bearer key's, without `--keys`); raises
+        `APIError` when refused."""
+        rpm, tpm = self._limits(tenant, authorization, prep.model)
         limits = [lim for lim in (rpm, tpm) if lim is not None]
         if not limits:  # no [serve] budget: the quota routes only
             return UNMETERED
-        new = [lim for lim in limits if lim.key not in self._declared]
+        new = [lim for lim in limits if lim not in self._declared]
         if new:  # the first request of a pair declares its limits (an upsert: restarts are fine)
             try:
                 await self.client.put_limits(new)
             except QuotaError as e:
                 log.error("quota: declaring %s failed: %s", [lim.key for lim in new], e)
                 raise APIError(503, "the quota service is unavailable", headers=_RETRY) from e
-            self._declared.update(lim.key for lim in new)
+            self._declared.update(new)
         needs = [Requirement(rpm.key, 1)] if rpm else []
         if tpm:
             most = prompt_tokens(prep) + sum(params.max_tokens for _, params in prep.jobs)
@@ -136,8 +151,8 @@ class QuotaGate:
         if result.error.startswith(ItemError.EXCEEDS_CAPACITY):
             raise APIError(
                 400,
-                f"this request may use more than the {self.budget.tpm} tokens allowed per "
-                f"{self.budget.window_s:g} s: lower max_tokens",
+                f"this request may use more than the {tpm.capacity if tpm else 0} tokens "
+                f"allowed per {self.budget.window_s:g} s: lower max_tokens",
                 param="max_tokens",
                 code="request_too_large",
             )
@@ -212,7 +227,7 @@ class Meter:
 class Unmetered:
     """No `--quota`: admission and every hook pass straight through."""
 
-    async def admit(self, authorization: str | None, prep: Prepared) -> Unmetered:
+    async def admit(self, tenant: Tenant, authorization: str | None, prep: Prepared) -> Unmetered:
         return self
 
     def watch(self, gen: Outputs, first: Output) -> tuple[Outputs, Output]:

@@ -29,9 +29,11 @@ from shoal.server.serving import (
     stream_sse,
 )
 from shoal.server.state import ServerState, get_state
+from shoal.server.tenancy import Tenant, get_tenant
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
+Caller = Annotated[Tenant, Depends(get_tenant)]
 SessionHeader = Annotated[str | None, Header(alias="X-Session-Id")]
 T = TypeVar("T")
 _STARTED = int(time.time())
@@ -71,9 +73,13 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
-async def _serve(request: Request, state: ServerState, prep: Prepared, stream: bool) -> Response:
+async def _serve(
+    request: Request, state: ServerState, tenant: Tenant, prep: Prepared, stream: bool
+) -> Response:
     srv = state.serving
-    meter = await (state.quota or UNMETERED).admit(request.headers.get("authorization"), prep)
+    meter = await (state.quota or UNMETERED).admit(
+        tenant, request.headers.get("authorization"), prep
+    )
     if stream:
         try:
             gen, first = meter.watch(*await start_stream(srv, prep))
@@ -119,21 +125,26 @@ def _model_card(state: ServerState) -> dict[str, Any]:
 
 @router.post("/v1/completions")
 async def completions(
-    request: Request, state: State, req: CompletionRequest, x_session_id: SessionHeader = None
+    request: Request,
+    state: State,
+    tenant: Caller,
+    req: CompletionRequest,
+    x_session_id: SessionHeader = None,
 ) -> Response:
-    prep = await prepare_completion(state.serving, req, session_id=x_session_id)
-    return await _serve(request, state, prep, bool(req.stream))
+    prep = await prepare_completion(state.serving, req, tenant=tenant, session_id=x_session_id)
+    return await _serve(request, state, tenant, prep, bool(req.stream))
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(
     request: Request,
     state: State,
+    tenant: Caller,
     req: ChatCompletionRequest,
     x_session_id: SessionHeader = None,
 ) -> Response:
-    prep = await prepare_chat(state.serving, req, session_id=x_session_id)
-    return await _serve(request, state, prep, bool(req.stream))
+    prep = await prepare_chat(state.serving, req, tenant=tenant, session_id=x_session_id)
+    return await _serve(request, state, tenant, prep, bool(req.stream))
 
 
 @router.get("/health")

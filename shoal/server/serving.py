@@ -28,6 +28,7 @@ from shoal.server.metrics import ServerMetrics
 from shoal.server.protocol import MAX_PROMPTS, ChatCompletionRequest, CompletionRequest
 from shoal.server.schema_check import SchemaLimits, SchemaRefusal
 from shoal.server.structured import ToolPlan, compiled, plan_answer
+from shoal.server.tenancy import UNSALTED, KVScope, Tenant
 
 Prompt = str | list[int]
 PromptBuilder = Callable[[EngineProtocol, ChatCompletionRequest, ToolPlan | None], list[int]]
@@ -62,6 +63,7 @@ class Prepared:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     tools: ToolPlan | None = None  # how to read tool calls out of each answer
     grammar: Any = None  # the compiled constraint, held until the engine has its matchers
+    kv: KVScope = UNSALTED  # whose KV each prompt may reuse (its tenant's, its cache_salt's)
 
 
 def _check_common(srv: Serving, req: CompletionRequest | ChatCompletionRequest) -> None:
@@ -104,15 +106,18 @@ def _prepared(
     n: int,
     priority: int,
     session_id: str | None,
+    tenant: Tenant,
 ) -> Prepared:
-    """The parts of `Prepared` both endpoints fill the same way."""
+    """The parts of `Prepared` both endpoints fill the same way: session ids and cache keys
+    in the tenant's namespace, the tenant's KV scope."""
     chat = isinstance(req, ChatCompletionRequest)
     engine_kwargs: dict[str, Any] = {"priority": priority}
     sid = session_id or req.session_id  # the X-Session-Id header wins over the body
     if sid:
-        engine_kwargs["session_id"] = sid
+        engine_kwargs["session_id"] = tenant.scoped(sid)
     elif req.prompt_cache_key:  # a hint, not a session: no turn waits for another
-        engine_kwargs["cache_pins"] = (CachePin(f"key:openai:{req.prompt_cache_key}"),)
+        key = tenant.scoped(req.prompt_cache_key)
+        engine_kwargs["cache_pins"] = (CachePin(f"key:openai:{key}"),)
     return Prepared(
         chat=chat,
         rid=new_id("chatcmpl-" if chat else "cmpl-"),
@@ -122,11 +127,17 @@ def _prepared(
         n=n,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         engine_kwargs=engine_kwargs,
+        kv=tenant.kv_scope(req.cache_salt),
     )
 
 
 async def prepare_completion(
-    srv: Serving, req: CompletionRequest, *, priority: int = 0, session_id: str | None = None
+    srv: Serving,
+    req: CompletionRequest,
+    *,
+    tenant: Tenant,
+    priority: int = 0,
+    session_id: str | None = None,
 ) -> Prepared:
     _check_common(srv, req)
     if req.echo:
@@ -153,13 +164,14 @@ async def prepare_completion(
     if any(isinstance(pr, str) for pr in prompts):  # tokenizing can take a while: off the loop
         prompts = await asyncio.to_thread(lambda: [srv.engine.encode(pr) for pr in prompts])
     jobs = [(pr, params[j]) for pr in prompts for j in range(n)]
-    return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
+    return _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id, tenant=tenant)
 
 
 async def prepare_chat(
     srv: Serving,
     req: ChatCompletionRequest,
     *,
+    tenant: Tenant,
     priority: int = 0,
     session_id: str | None = None,
     tool_schema_at: str = "tools.{}.function.parameters",
@@ -188,7 +200,7 @@ async def prepare_chat(
     jobs: list[tuple[Prompt, SamplingParams]] = [
         (ids, _params(req, max_tokens, logprobs, j, structured)) for j in range(n)
     ]
-    prep = _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id)
+    prep = _prepared(srv, req, jobs, n=n, priority=priority, session_id=session_id, tenant=tenant)
     prep.tools = plan
     prep.grammar = grammar
     return prep
@@ -202,10 +214,15 @@ async def _one(srv: Serving, prep: Prepared, i: int) -> AsyncGenerator[RequestOu
     last_t: float | None = None
     last_n = 0
     final: RequestOutput | None = None
+    kwargs = prep.engine_kwargs
+    salt = prep.kv.salt_for(
+        prompt if isinstance(prompt, list) else [], srv.engine.config.block_size
+    )
+    if salt is not None:
+        kwargs = {**kwargs, "cache_salt": salt}
     try:
         gen = cast(
-            AsyncGenerator[RequestOutput],
-            srv.aeng.generate(prompt, params, request_id, **prep.engine_kwargs),
+            AsyncGenerator[RequestOutput], srv.aeng.generate(prompt, params, request_id, **kwargs)
         )
         async with aclosing(gen):
             async for out in gen:

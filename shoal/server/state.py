@@ -1,5 +1,6 @@
 """What the server holds at run time: its configuration, the serving path, the store (files and
-batches, maybe shared with other replicas), the runner and, with `--quota`, the quota gate.
+batches, maybe shared with other replicas), the runner, its tenants (`--keys`) and, with
+`--quota`, the quota gate.
 
 One `ServerState` per app, set as `app.state.shoal` when the app starts and reached through
 `request.app.state` (never module globals), so several servers can run in one process (the
@@ -17,6 +18,7 @@ from fastapi import Request
 from shoal.config import EngineConfig
 from shoal.server.schema_check import SchemaLimits
 from shoal.server.store import Store
+from shoal.server.tenancy import Tenancy
 from shoal.urls import redact
 
 if TYPE_CHECKING:
@@ -34,7 +36,9 @@ STORE_FILE = "shoal.sqlite3"  # the default store: SQLite in the data dir
 class ServerConfig:
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(max_waiting=1024))
     data_dir: Path = Path("./shoal-data")
-    api_key: str | None = None
+    api_key: str | None = None  # the `default` tenant's key
+    keys_file: Path | None = None  # `--keys`: named keys, each a tenant's (`server/keys.py`)
+    metrics_key: str | None = None  # `/metrics` asks for it when set
     max_body_bytes: int = 8 * MiB  # JSON bodies
     max_upload_bytes: int = 200 * MiB  # file uploads
     max_batch_lines: int = 50_000
@@ -63,7 +67,7 @@ class ServerConfig:
         return {
             "data_dir": str(self.data_dir),
             "store": redact(self.store_url),
-            "auth": "bearer" if self.api_key else "none",
+            "auth": "keys" if self.keys_file else "bearer" if self.api_key else "none",
             "batch_concurrency": str(self.batch_concurrency),
             "max_batch_lines": str(self.max_batch_lines),
             "max_body_bytes": str(self.max_body_bytes),
@@ -80,6 +84,7 @@ class ServerState:
     quota: QuotaGate | None = None
     shutting_down: bool = False
     responses: Responses | None = None
+    tenancy: Tenancy = field(default_factory=Tenancy)
 
     @property
     def engine(self) -> EngineProtocol:

@@ -167,7 +167,8 @@ def test_hashes_are_stable_across_processes():
     code = (
         "import importlib.util, sys\n"
         f"spec = importlib.util.spec_from_file_location('h', {str(path)!r})\n"
-        "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['h'] = m\n"
+        "spec.loader.exec_module(m)\n"
         "print(m.chain_hashes(m.root_hash('fp'), list(range(12)), 4)[-1].hex())\n"
     )
     outs = set()

@@ -33,7 +33,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
 
 def new_batch(store: Store, batch_id: str, status: str = BatchStatus.IN_PROGRESS) -> str:
     obj = {"id": batch_id, "status": status, "endpoint": "/v1/completions"}
-    store.create_batch({**obj, "input_file_id": "file-x", "expires_at": None})
+    store.create_batch({**obj, "input_file_id": "file-x", "expires_at": None}, tenant="default")
     return batch_id
 
 
@@ -42,31 +42,37 @@ def result(store: Store, batch_id: str, custom_id: str, line: int = 1) -> bool:
 
 
 def read(store: Store, file_id: str) -> bytes | None:
-    chunks = store.read_file(file_id)
+    chunks = store.read_file(file_id, tenant=None)
     return None if chunks is None else b"".join(chunks)
 
 
 def test_files_stream_whole_in_any_chunks(store: Store) -> None:
     data = bytes(range(256)) * 9000  # 2.2 MiB: several 1 MiB chunks in the database
     pieces = [data[i : i + 700_001] for i in range(0, len(data), 700_001)]
-    big = store.create_file("big.jsonl", "batch", iter(pieces))
-    empty = store.create_file("empty.jsonl", "user_data", b"")
+    big = store.create_file("big.jsonl", "batch", iter(pieces), tenant="default")
+    empty = store.create_file("empty.jsonl", "user_data", b"", tenant="default")
     assert big["bytes"] == len(data) and empty["bytes"] == 0
     assert read(store, big["id"]) == data and read(store, empty["id"]) == b""
-    listed, more = store.list_files(purpose=None, after=None, limit=10, order="desc")
+    listed, more = store.list_files(
+        tenant="default", purpose=None, after=None, limit=10, order="desc"
+    )
     assert [f["id"] for f in listed] == [empty["id"], big["id"]] and not more
-    page, more = store.list_files(purpose="batch", after=None, limit=10, order="asc")
+    page, more = store.list_files(
+        tenant="default", purpose="batch", after=None, limit=10, order="asc"
+    )
     assert [f["id"] for f in page] == [big["id"]] and not more
-    assert store.delete_file(big["id"]) and not store.delete_file(big["id"])
-    assert store.get_file(big["id"]) is None and read(store, big["id"]) is None
+    assert store.delete_file(big["id"], tenant=None)
+    assert not store.delete_file(big["id"], tenant=None)
+    assert store.get_file(big["id"], tenant=None) is None and read(store, big["id"]) is None
 
 
 @pytest.mark.parametrize("bad", ["", "a\x00b", "\ud800", "x" * 5000, "../../etc/passwd"])
 def test_corrupt_or_unknown_ids_are_unknown(store: Store, bad: str) -> None:
-    assert store.get_file(bad) is None and store.read_file(bad) is None
-    assert store.get_batch(bad) is None and not store.delete_file(bad)
-    assert store.list_files(purpose=None, after=bad, limit=5, order="desc") == ([], False)
-    assert store.list_batches(after=bad, limit=5) == ([], False)
+    assert store.get_file(bad, tenant=None) is None and store.read_file(bad, tenant=None) is None
+    assert store.get_batch(bad, tenant=None) is None and not store.delete_file(bad, tenant=None)
+    listed = store.list_files(tenant="default", purpose=None, after=bad, limit=5, order="desc")
+    assert listed == ([], False)
+    assert store.list_batches(tenant="default", after=bad, limit=5) == ([], False)
 
 
 def test_status_changes_are_compare_and_set(store: Store) -> None:
@@ -79,7 +85,7 @@ def test_status_changes_are_compare_and_set(store: Store) -> None:
         "batch_a", expect=(BatchStatus.VALIDATING,), status=BatchStatus.FAILED
     )
     assert again is None  # a second validator lost: nothing changed
-    got = store.get_batch("batch_a")
+    got = store.get_batch("batch_a", tenant=None)
     assert got is not None and got["status"] == BatchStatus.IN_PROGRESS and got["model"] == "m"
     assert store.update_batch("batch_nope", status=BatchStatus.FAILED) is None
 
@@ -148,7 +154,7 @@ def test_one_replica_finalizes_and_the_files_land_with_the_status(store: Store) 
     out = [OutputFile("file-fo", "batch_f_output.jsonl", b'{"x": 1}\n')]
     done: dict[str, Any] = {"status": BatchStatus.COMPLETED, "output_file_id": "file-fo"}
     assert store.finish_batch("batch_f", "B", out, **done) is None
-    assert store.get_file("file-fo") is None  # the loser's file never appears
+    assert store.get_file("file-fo", tenant=None) is None  # the loser's file never appears
     time.sleep(0.7)  # A died mid-finalization
     assert store.claim_finalizer("batch_f", "B")
     ended = store.finish_batch("batch_f", "B", out, **done)

@@ -47,9 +47,12 @@ def test_a_response_comes_back_whole(store: Store) -> None:
     store.add_response(
         response("resp_a", "resp_a", items=items, turn=turn), keep=BIG, max_age_s=1e9
     )
-    got = store.get_response("resp_a")
+    got = store.get_response("resp_a", tenant=None)
     assert got is not None and got.turn == turn and got.items == items and got.chain == "resp_a"
-    assert store.get_response("resp_nope") is None and store.get_response("\x00") is None
+    assert (
+        store.get_response("resp_nope", tenant=None) is None
+        and store.get_response("\x00", tenant=None) is None
+    )
 
 
 def test_finishing_is_a_compare_and_set(store: Store) -> None:
@@ -60,7 +63,7 @@ def test_finishing_is_a_compare_and_set(store: Store) -> None:
     assert store.finish_response("resp_b", cancelled)
     done = {"id": "resp_b", "status": "completed"}
     assert not store.finish_response("resp_b", done, events=[{"type": "x"}])  # too late
-    got = store.get_response("resp_b")
+    got = store.get_response("resp_b", tenant=None)
     assert got is not None and got.status == "cancelled" and got.owner is None
     assert store.unfinished_responses("r1") == []
 
@@ -68,9 +71,13 @@ def test_finishing_is_a_compare_and_set(store: Store) -> None:
 def test_deleting_tells_whether_the_chain_goes_on(store: Store) -> None:
     for rid in ("resp_c", "resp_c1"):
         store.add_response(response(rid, "resp_c"), keep=BIG, max_age_s=1e9)
-    assert store.delete_response("resp_c") == "resp_c" and store.chain_has_responses("resp_c")
-    assert store.delete_response("resp_c1") == "resp_c"
-    assert not store.chain_has_responses("resp_c") and store.delete_response("resp_c1") is None
+    assert store.delete_response("resp_c", tenant=None) == "resp_c"
+    assert store.chain_has_responses("resp_c")
+    assert store.delete_response("resp_c1", tenant=None) == "resp_c"
+    assert (
+        not store.chain_has_responses("resp_c")
+        and store.delete_response("resp_c1", tenant=None) is None
+    )
 
 
 def test_retention_drops_the_oldest(store: Store) -> None:
@@ -79,7 +86,9 @@ def test_retention_drops_the_oldest(store: Store) -> None:
     for i in range(4):
         store.add_response(response(f"resp_{i}", f"resp_{i}"), keep=3, max_age_s=60)
     kept = [
-        r for r in ("resp_old", "resp_0", "resp_1", "resp_2", "resp_3") if store.get_response(r)
+        r
+        for r in ("resp_old", "resp_0", "resp_1", "resp_2", "resp_3")
+        if store.get_response(r, tenant=None)
     ]
     assert kept == ["resp_1", "resp_2", "resp_3"]
 
@@ -89,6 +98,9 @@ def test_a_restarted_replica_fails_what_it_was_running(store: Store) -> None:
                        max_age_s=1e9)  # fmt: skip
     store.add_response(response("resp_e", "resp_e", "queued", owner="r2"), keep=BIG, max_age_s=1e9)
     asyncio.run(Responses(None, store, "r1", BIG, 1e9).start())  # type: ignore[arg-type]
-    mine, theirs = store.get_response("resp_d"), store.get_response("resp_e")
+    mine, theirs = (
+        store.get_response("resp_d", tenant=None),
+        store.get_response("resp_e", tenant=None),
+    )
     assert mine is not None and mine.status == "failed" and mine.obj["error"]["message"]
     assert theirs is not None and theirs.status == "queued"  # another replica's to finish

@@ -2,7 +2,8 @@
 
 A message batch is stored as a runner batch over `/v1/messages` lines (its requests written as
 an input file), so it runs, survives restarts and finalizes exactly like an OpenAI batch;
-these routes only translate. Params are validated whole at creation and stored as sent.
+these routes only translate. Params are validated whole at creation and stored as sent. A
+message batch is its tenant's: another tenant gets 404.
 """
 
 from __future__ import annotations
@@ -23,14 +24,16 @@ from shoal.server.errors import APIError, not_found
 from shoal.server.ids import new_id
 from shoal.server.jsonl import MESSAGES, split_lines
 from shoal.server.state import ServerState, get_state
+from shoal.server.tenancy import Tenant, get_tenant
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
+Caller = Annotated[Tenant, Depends(get_tenant)]
 PREFIX = "/v1/messages/batches"
 
 
-def _get(state: ServerState, batch_id: str) -> dict[str, Any]:
-    obj = state.store.get_batch(batch_id)
+def _get(state: ServerState, tenant: Tenant, batch_id: str) -> dict[str, Any]:
+    obj = state.store.get_batch(batch_id, tenant=tenant.name)
     if obj is None or obj["endpoint"] != MESSAGES:
         raise not_found("message batch", batch_id)
     return live(state, obj)
@@ -61,11 +64,14 @@ def _input_file(req: MessageBatchCreate) -> bytes:
 
 
 @router.post(PREFIX)
-async def create(request: Request, state: State, req: MessageBatchCreate) -> dict[str, Any]:
+async def create(
+    request: Request, state: State, tenant: Caller, req: MessageBatchCreate
+) -> dict[str, Any]:
     data = _input_file(req)
-    f = state.store.create_file(f"{new_id('msgbatch_input_')}.jsonl", "batch", data)
+    name = f"{new_id('msgbatch_input_')}.jsonl"
+    f = state.store.create_file(name, "batch", data, tenant=tenant.name)
     obj = start_batch(
-        state, MESSAGES, f["id"], None, id_prefix="msgbatch_", total=len(req.requests)
+        state, tenant, MESSAGES, f["id"], None, id_prefix="msgbatch_", total=len(req.requests)
     )
     return _shape(request, obj)
 
@@ -74,12 +80,13 @@ async def create(request: Request, state: State, req: MessageBatchCreate) -> dic
 async def list_batches(
     request: Request,
     state: State,
+    tenant: Caller,
     before_id: str | None = None,
     after_id: str | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 20,
 ) -> dict[str, Any]:
     data, has_more = state.store.list_batches(
-        after=after_id, before=before_id, limit=limit, endpoints=(MESSAGES,)
+        tenant=tenant.name, after=after_id, before=before_id, limit=limit, endpoints=(MESSAGES,)
     )
     page = [_shape(request, live(state, b)) for b in data]
     return {
@@ -91,43 +98,44 @@ async def list_batches(
 
 
 @router.get(PREFIX + "/{batch_id}")
-async def get(request: Request, state: State, batch_id: str) -> dict[str, Any]:
-    return _shape(request, _get(state, batch_id))
+async def get(request: Request, state: State, tenant: Caller, batch_id: str) -> dict[str, Any]:
+    return _shape(request, _get(state, tenant, batch_id))
 
 
-def _result_lines(state: ServerState, obj: dict[str, Any]) -> Iterator[bytes]:
+def _result_lines(state: ServerState, tenant: Tenant, obj: dict[str, Any]) -> Iterator[bytes]:
     for key in ("output_file_id", "error_file_id"):
         if not obj.get(key):
             continue
-        for raw in split_lines(state.store.read_file(obj[key]) or ()):
+        for raw in split_lines(state.store.read_file(obj[key], tenant=tenant.name) or ()):
             if raw.strip():
                 yield json.dumps(fmt.result_line(json.loads(raw))).encode() + b"\n"
 
 
 @router.get(PREFIX + "/{batch_id}/results")
-async def results(state: State, batch_id: str) -> StreamingResponse:
-    obj = _get(state, batch_id)
+async def results(state: State, tenant: Caller, batch_id: str) -> StreamingResponse:
+    obj = _get(state, tenant, batch_id)
     if obj["status"] not in TERMINAL:
         raise APIError(400, f"message batch {batch_id} has not ended yet")
-    return StreamingResponse(_result_lines(state, obj), media_type="application/x-jsonl")
+    lines = _result_lines(state, tenant, obj)
+    return StreamingResponse(lines, media_type="application/x-jsonl")
 
 
 @router.post(PREFIX + "/{batch_id}/cancel")
-async def cancel(request: Request, state: State, batch_id: str) -> dict[str, Any]:
-    obj = _get(state, batch_id)
+async def cancel(request: Request, state: State, tenant: Caller, batch_id: str) -> dict[str, Any]:
+    obj = _get(state, tenant, batch_id)
     if obj["status"] not in (*TERMINAL, BatchStatus.CANCELLING, BatchStatus.FINALIZING):
         request_cancel(state, batch_id)
-        obj = _get(state, batch_id)
+        obj = _get(state, tenant, batch_id)
     return _shape(request, obj)
 
 
 @router.delete(PREFIX + "/{batch_id}")
-async def delete(state: State, batch_id: str) -> dict[str, Any]:
-    obj = _get(state, batch_id)
+async def delete(state: State, tenant: Caller, batch_id: str) -> dict[str, Any]:
+    obj = _get(state, tenant, batch_id)
     if obj["status"] not in TERMINAL:
         raise APIError(400, f"message batch {batch_id} is still processing; cancel it first")
     state.store.delete_batch(batch_id)
     for key in ("input_file_id", "output_file_id", "error_file_id"):
         if obj.get(key):
-            state.store.delete_file(obj[key])
+            state.store.delete_file(obj[key], tenant=tenant.name)
     return {"id": batch_id, "type": "message_batch_deleted"}

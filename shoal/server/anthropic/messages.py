@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
@@ -31,10 +31,12 @@ from shoal.server.errors import APIError, model_not_found, to_api_error
 from shoal.server.formatting import tool_finish
 from shoal.server.ids import new_id
 from shoal.server.protocol import ChatCompletionRequest
+from shoal.server.quota import UNMETERED
 from shoal.server.routes import SessionHeader, SSEResponse, unless_disconnected
 from shoal.server.serving import Prepared, Serving, prepare_chat, respond, start_stream
 from shoal.server.state import ServerState, get_state
 from shoal.server.structured import plan_answer
+from shoal.server.tenancy import Tenant, get_tenant
 from shoal.tool_calls import ArgsDelta, CallStart, Event, TextDelta
 
 router = APIRouter()
@@ -42,6 +44,7 @@ router = APIRouter()
 # Claude Code asks for it on every turn.
 THINKING = ("disabled", "enabled", "adaptive")
 State = Annotated[ServerState, Depends(get_state)]
+Caller = Annotated[Tenant, Depends(get_tenant)]
 TOOL_SCHEMA = "tools.{}.input_schema"  # where errors place a tool's schema
 
 
@@ -59,6 +62,7 @@ def to_chat(req: MessagesRequest | CountTokensRequest) -> ChatCompletionRequest:
     body: dict[str, Any] = {"model": req.model, "messages": messages, **tool_fields(req)}
     if isinstance(req, MessagesRequest):
         body.update(
+            cache_salt=req.cache_salt,
             max_tokens=req.max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=req.top_p,
@@ -78,6 +82,7 @@ Positions = list[tuple[int, float]]  # (tokens, TTL) of each cache_control break
 async def prepare(
     srv: Serving,
     req: MessagesRequest,
+    tenant: Tenant,
     priority: int = 0,
     session_id: str | None = None,
     keep_billing_header: bool = False,
@@ -88,7 +93,12 @@ async def prepare(
         req = caching.strip_billing_header(req)
     found = caching.breakpoints(req)
     prep = await prepare_chat(
-        srv, to_chat(req), priority=priority, session_id=session_id, tool_schema_at=TOOL_SCHEMA
+        srv,
+        to_chat(req),
+        tenant=tenant,
+        priority=priority,
+        session_id=session_id,
+        tool_schema_at=TOOL_SCHEMA,
     )
     prep.rid = new_id("msg_")
     if prep.tools is not None:
@@ -100,7 +110,7 @@ async def prepare(
     pins = list(caching.cache_pins(positions))
     user = (req.metadata or {}).get("user_id")
     if isinstance(user, str) and user and session_id is None:  # a hint: kept like a session
-        pins.append(CachePin(f"key:anthropic:{user}"))
+        pins.append(CachePin(f"key:anthropic:{tenant.scoped(user)}"))
     if pins:
         prep.engine_kwargs["cache_pins"] = tuple(pins)
     return prep, positions
@@ -132,11 +142,12 @@ async def answer(srv: Serving, prep: Prepared, positions: Positions) -> dict[str
 
 
 async def run_line(
-    srv: Serving, body: dict[str, Any], priority: int
+    srv: Serving, body: dict[str, Any], priority: int, tenant: Tenant
 ) -> tuple[int, dict[str, Any], int, int]:
     """One message batch line: (status, Message or Anthropic error, input and output tokens)."""
     try:
-        prep, positions = await prepare(srv, MessagesRequest.model_validate(body), priority)
+        req = MessagesRequest.model_validate(body)
+        prep, positions = await prepare(srv, req, tenant, priority)
         msg = await answer(srv, prep, positions)
     except ValidationError as e:
         first = e.errors()[0]
@@ -195,7 +206,7 @@ async def stream_events(
     positions: Positions,
     gen: AsyncGenerator[tuple[int, RequestOutput]],
     first: tuple[int, RequestOutput],
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes]:
     out = first[1]
     start = fmt.message(prep.rid, prep.model, [], None, {})
     start["stop_reason"] = None
@@ -266,21 +277,48 @@ async def count_tokens(state: State, req: CountTokensRequest) -> dict[str, int]:
 
 @router.post("/v1/messages")
 async def create_message(
-    request: Request, state: State, req: MessagesRequest, x_session_id: SessionHeader = None
+    request: Request,
+    state: State,
+    tenant: Caller,
+    req: MessagesRequest,
+    x_session_id: SessionHeader = None,
 ) -> Response:
     """`X-Session-Id` makes the conversation a session, as on the OpenAI routes; `anthropic-
-    beta` and `anthropic-version` headers are accepted and need nothing."""
+    beta` and `anthropic-version` headers are accepted and need nothing. With `--quota`, the
+    request is admitted against its tenant's budget as chat requests are."""
     srv = state.serving
     keep = state.config.keep_billing_header
-    prep, positions = await prepare(srv, req, session_id=x_session_id, keep_billing_header=keep)
+    prep, positions = await prepare(
+        srv, req, tenant, session_id=x_session_id, keep_billing_header=keep
+    )
+    meter = await (state.quota or UNMETERED).admit(
+        tenant, request.headers.get("authorization"), prep
+    )
     if req.stream:
-        gen, first = await start_stream(srv, prep)
+        try:
+            gen, first = meter.watch(*await start_stream(srv, prep))
+        except BaseException:
+            await meter.done(0)
+            raise
         return SSEResponse(
-            stream_events(prep, positions, gen, first),
+            meter.settling(stream_events(prep, positions, gen, first)),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-    body = await unless_disconnected(request, answer(srv, prep, positions))
+    body = None
+    try:
+        body = await unless_disconnected(request, answer(srv, prep, positions))
+    finally:
+        await meter.done(_used(body))
     if body is None:
         return Response(status_code=499)
     return JSONResponse(body)
+
+
+def _used(message: dict[str, Any] | None) -> int | None:
+    """The tokens a Message used (its input, cached or not, and its output)."""
+    if message is None:
+        return None
+    u = message["usage"]
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    return sum(u[k] for k in parts) + u["output_tokens"]

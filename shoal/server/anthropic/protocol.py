@@ -81,6 +81,7 @@ class MessagesRequest(Prompt):
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     metadata: dict[str, Any] | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # as on OpenAI's routes
 
 
 class BatchItem(_Open):

@@ -127,5 +127,6 @@ class ResponseCreateRequest(InputTokensRequest):
     stream: bool | None = False
     include: list[str] | None = None
     prompt_cache_key: str | None = Field(None, max_length=1024)
+    cache_salt: str | None = Field(None, min_length=1, max_length=256)  # vLLM's, as on chat
     reasoning: dict[str, Any] | None = None
     user: str | None = None

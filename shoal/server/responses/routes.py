@@ -23,9 +23,11 @@ from shoal.server.responses.service import Pending, Responses
 from shoal.server.routes import SSEResponse, unless_disconnected
 from shoal.server.serving import start_stream
 from shoal.server.state import ServerState, get_state
+from shoal.server.tenancy import Tenant, get_tenant
 
 router = APIRouter()
 State = Annotated[ServerState, Depends(get_state)]
+Caller = Annotated[Tenant, Depends(get_tenant)]
 SESSION_HEADER = "X-Session-Id"
 
 
@@ -60,11 +62,14 @@ async def _replay(events: list[dict[str, Any]], after: int) -> AsyncIterator[dic
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request, state: State, req: ResponseCreateRequest) -> Response:
+async def create_response(
+    request: Request, state: State, tenant: Caller, req: ResponseCreateRequest
+) -> Response:
     svc = _service(state)
-    p = await svc.prepare(req)
+    p = await svc.prepare(req, tenant)
     headers = _headers(p)
-    meter = await (state.quota or UNMETERED).admit(request.headers.get("authorization"), p.prep)
+    authorization = request.headers.get("authorization")
+    meter = await (state.quota or UNMETERED).admit(tenant, authorization, p.prep)
     if req.background:
         await meter.done(None)  # the reservation stands: nobody waits for the answer here
         running = await svc.launch(p)
@@ -90,20 +95,23 @@ async def create_response(request: Request, state: State, req: ResponseCreateReq
 
 
 @router.post("/v1/responses/input_tokens")
-async def count_input_tokens(state: State, req: InputTokensRequest) -> dict[str, Any]:
-    count = await _service(state).input_tokens(req)
+async def count_input_tokens(
+    state: State, tenant: Caller, req: InputTokensRequest
+) -> dict[str, Any]:
+    count = await _service(state).input_tokens(req, tenant)
     return {"object": "response.input_tokens", "input_tokens": count}
 
 
 @router.get("/v1/responses/{response_id}")
 async def get_response(
     state: State,
+    tenant: Caller,
     response_id: str,
     stream: bool = False,
     starting_after: Annotated[int, Query(ge=-1)] = -1,
 ) -> Response:
     svc = _service(state)
-    found = await svc.get(response_id)
+    found = await svc.get(response_id, tenant)
     if not stream:
         return JSONResponse(found.obj)
     if not found.obj.get("background"):
@@ -112,30 +120,31 @@ async def get_response(
     if running is not None:
         events = running.log.follow(starting_after)
     else:  # finished: its stored events (read again: it may have just finished)
-        events = _replay((await svc.get(response_id)).events or [], starting_after)
+        events = _replay((await svc.get(response_id, tenant)).events or [], starting_after)
     return _streaming(_sse(events), {})
 
 
 @router.delete("/v1/responses/{response_id}")
-async def delete_response(state: State, response_id: str) -> dict[str, Any]:
-    await _service(state).delete(response_id)
+async def delete_response(state: State, tenant: Caller, response_id: str) -> dict[str, Any]:
+    await _service(state).delete(response_id, tenant)
     return {"id": response_id, "object": "response", "deleted": True}
 
 
 @router.post("/v1/responses/{response_id}/cancel")
-async def cancel_response(state: State, response_id: str) -> dict[str, Any]:
-    return await _service(state).cancel(response_id)
+async def cancel_response(state: State, tenant: Caller, response_id: str) -> dict[str, Any]:
+    return await _service(state).cancel(response_id, tenant)
 
 
 @router.get("/v1/responses/{response_id}/input_items")
 async def list_input_items(
     state: State,
+    tenant: Caller,
     response_id: str,
     after: str | None = None,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     order: Literal["asc", "desc"] = "desc",
 ) -> dict[str, Any]:
-    items = (await _service(state).get(response_id)).items
+    items = (await _service(state).get(response_id, tenant)).items
     if order == "desc":
         items = items[::-1]
     if after is not None:

@@ -8,6 +8,8 @@ first response runs without a session (most responses are never continued; its f
 stay in the prefix cache); from the second on, each turn runs in the chain's session, which
 keeps the turn's KV pinned while it runs, spills it when idle and restores it after a
 restart, and `cached_tokens` is the engine's count of the prompt tokens it did not compute.
+A response is its tenant's: another tenant can neither read, continue, cancel nor delete it
+(404), and the chain's session is in the tenant's namespace.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from shoal.server.responses.protocol import InputTokensRequest, ResponseCreateRe
 from shoal.server.serving import Prepared, Serving, merged, prepare_chat, start_stream
 from shoal.server.store import Store
 from shoal.server.store.responses import UNFINISHED, StoredResponse
+from shoal.server.tenancy import Tenant
 
 T = TypeVar("T")
 Outputs = AsyncGenerator[tuple[int, RequestOutput]]
@@ -53,6 +56,7 @@ class Pending:
     """A validated response, queued in the engine or about to be."""
 
     frame: Frame
+    tenant: Tenant
     prep: Prepared
     prompt: ChainPrompt
     items: list[dict[str, Any]]  # the whole context's input items
@@ -91,15 +95,15 @@ class Responses:
     async def close(self) -> None:
         await self.background.close()
 
-    async def get(self, response_id: str) -> StoredResponse:
-        found = await self._db(self.store.get_response, response_id)
+    async def get(self, response_id: str, tenant: Tenant) -> StoredResponse:
+        found = await self._db(self.store.get_response, response_id, tenant=tenant.name)
         if found is None:
             raise not_found("response", response_id)
         return found
 
     # -- building the prompt -----------------------------------------------------------------
-    async def _previous(self, response_id: str) -> StoredResponse:
-        prev = await self._db(self.store.get_response, response_id)
+    async def _previous(self, response_id: str, tenant: Tenant) -> StoredResponse:
+        prev = await self._db(self.store.get_response, response_id, tenant=tenant.name)
         if prev is None:
             raise not_found("response", response_id, param="previous_response_id")
         if prev.turn is None:
@@ -112,7 +116,7 @@ class Responses:
         return prev
 
     async def _shape(
-        self, req: InputTokensRequest
+        self, req: InputTokensRequest, tenant: Tenant
     ) -> tuple[Any, ChainPrompt, list[dict[str, Any]], StoredResponse | None, Tools]:
         """(chat request, prompt builder, context items, previous response, tools)."""
         if req.conversation is not None:
@@ -122,7 +126,8 @@ class Responses:
                 else "conversation is not supported: continue with previous_response_id"
             )
             raise APIError(400, message, param="conversation")
-        prev = await self._previous(req.previous_response_id) if req.previous_response_id else None
+        previous_id = req.previous_response_id
+        prev = await self._previous(previous_id, tenant) if previous_id else None
         tools = function_tools(req.tools)
         items = normalize(req.input)
         context = (prev.items + prev.obj["output"] if prev else []) + items
@@ -145,39 +150,43 @@ class Responses:
                 "max_completion_tokens": getattr(req, "max_output_tokens", None),
                 "temperature": getattr(req, "temperature", None),
                 "top_p": getattr(req, "top_p", None),
+                "cache_salt": getattr(req, "cache_salt", None),
             }
         )
         previous = Turn.from_json(prev.turn) if prev is not None and prev.turn else None
         return chat, ChainPrompt(previous, req.truncation == "auto"), context, prev, tools
 
-    async def input_tokens(self, req: InputTokensRequest) -> int:
+    async def input_tokens(self, req: InputTokensRequest, tenant: Tenant) -> int:
         """The prompt's tokens, counted as `create` would build the prompt."""
-        chat, prompt, *_ = await self._shape(req)
-        prep = await prepare_chat(self.serving, chat, prompt=prompt)
+        chat, prompt, *_ = await self._shape(req, tenant)
+        prep = await prepare_chat(self.serving, chat, tenant=tenant, prompt=prompt)
         return len(prep.jobs[0][0])
 
     async def prepare(
-        self, req: ResponseCreateRequest, priority: int = 0, batch: bool = False
+        self, req: ResponseCreateRequest, tenant: Tenant, priority: int = 0, batch: bool = False
     ) -> Pending:
         """Validate and build the prompt (every 400 happens here, before anything runs)."""
         if req.background and req.store is False:
             raise APIError(400, "a background response must be stored (store=true)", param="store")
         if req.background and batch:
             raise APIError(400, "a batch line cannot run in the background", param="background")
-        chat, prompt, context, prev, tools = await self._shape(req)
+        chat, prompt, context, prev, tools = await self._shape(req, tenant)
         rid = new_response_id(prev.chain if prev is not None else None)
         chain = prev.chain if prev is not None else rid
         kept = prev is not None and req.store is not False and not batch
         prep = await prepare_chat(
             self.serving,
             chat,
+            tenant=tenant,
             priority=priority,
             session_id=chain if kept else None,
             prompt=prompt,
         )
         prep.rid = rid
         frame = Frame(rid, int(time.time()), self.serving.model_name, req, tools)
-        return Pending(frame, prep, prompt, context, chain, kept, tools.namespaces, tools.dropped)
+        return Pending(
+            frame, tenant, prep, prompt, context, chain, kept, tools.namespaces, tools.dropped
+        )
 
     # -- running -----------------------------------------------------------------------------
     async def _finish(
@@ -191,7 +200,9 @@ class Responses:
                 self.store.finish_response, p.frame.id, obj, turn=turn_json, events=seq.kept
             )
             return
-        record = StoredResponse(p.frame.id, p.chain, obj["status"], obj, p.items, turn_json)
+        record = StoredResponse(
+            p.frame.id, p.chain, obj["status"], obj, p.items, turn_json, tenant=p.tenant.name
+        )
         await self._db(self.store.add_response, record, keep=self.keep, max_age_s=self.max_age_s)
 
     async def events(
@@ -266,7 +277,9 @@ class Responses:
     async def launch(self, p: Pending) -> Running:
         """Store a background response as queued and start it; its events go to a log."""
         queued = p.frame.response("queued")
-        record = StoredResponse(p.frame.id, p.chain, "queued", queued, p.items, owner=self.replica)
+        record = StoredResponse(
+            p.frame.id, p.chain, "queued", queued, p.items, owner=self.replica, tenant=p.tenant.name
+        )
         await self._db(self.store.add_response, record, keep=self.keep, max_age_s=self.max_age_s)
         running = Running(EventLog())
         self.background.add(p.frame.id, running)
@@ -285,14 +298,14 @@ class Responses:
         running.task = asyncio.create_task(run())
         return running
 
-    async def run_line(self, body: dict[str, Any], priority: int) -> dict[str, Any]:
+    async def run_line(self, body: dict[str, Any], priority: int, tenant: Tenant) -> dict[str, Any]:
         """One `/v1/responses` batch line's response (raises as the route would)."""
         req = ResponseCreateRequest.model_validate(body)
-        return await self.respond(await self.prepare(req, priority, batch=True))
+        return await self.respond(await self.prepare(req, tenant, priority, batch=True))
 
     # -- the stored side ---------------------------------------------------------------------
-    async def cancel(self, response_id: str) -> dict[str, Any]:
-        found = await self.get(response_id)
+    async def cancel(self, response_id: str, tenant: Tenant) -> dict[str, Any]:
+        found = await self.get(response_id, tenant)
         if not found.obj.get("background"):
             raise APIError(400, "only a background response can be cancelled")
         if found.status == "cancelled":
@@ -300,16 +313,17 @@ class Responses:
         if found.status not in UNFINISHED:
             raise APIError(400, f"the response is {found.status} and cannot be cancelled")
         await self.background.stop(response_id)
-        found = await self.get(response_id)
+        found = await self.get(response_id, tenant)
         if found.status in UNFINISHED:  # cancelled before it began, or not running here
             obj = {**found.obj, "status": "cancelled"}
             await self._db(self.store.finish_response, response_id, obj)
-        return (await self.get(response_id)).obj
+        return (await self.get(response_id, tenant)).obj
 
-    async def delete(self, response_id: str) -> None:
-        chain = await self._db(self.store.delete_response, response_id)
+    async def delete(self, response_id: str, tenant: Tenant) -> None:
+        chain = await self._db(self.store.delete_response, response_id, tenant=tenant.name)
         if chain is None:
             raise not_found("response", response_id)
         await self.background.stop(response_id)
         if not await self._db(self.store.chain_has_responses, chain):
-            await self.serving.aeng.drop_session(chain)  # nothing can continue the chain now
+            # nothing can continue the chain now
+            await self.serving.aeng.drop_session(tenant.scoped(chain))

@@ -1,6 +1,11 @@
 """The Files + Batch API state, written once in SQL that SQLite and PostgreSQL both run
 (stored Responses API objects too: `responses.py`).
 
+Every file, batch and response has a `tenant`; the API's reads name the caller's (`tenant=`,
+never left out), so another tenant's object is not found and lists hold only the caller's.
+`tenant=None` is the server's own access (the runner, finalizers). Rows from before tenants
+belong to `default`.
+
 `Store` holds files (metadata here, bytes in `blobs`) and batches (the API object as JSON
 text, its status in a column of its own); a batch's lines, their claims and results come from
 `claims.LineTables`. Subclasses give the connection and transactions, the schema, the few SQL
@@ -31,7 +36,7 @@ from shoal.errors import ShoalError
 from shoal.server.ids import new_id, storable
 from shoal.server.store.claims import LineTables
 from shoal.server.store.responses import ResponseTables
-from shoal.server.store.sql import Tx, marks
+from shoal.server.store.sql import DEFAULT_TENANT, Tx, marks, owned
 from shoal.server.store.status import CLOSING
 
 
@@ -91,7 +96,7 @@ class Store(LineTables, ResponseTables):
 
     # -- files -----------------------------------------------------------------------------
     def create_file(
-        self, filename: str, purpose: str, content: bytes | Iterable[bytes]
+        self, filename: str, purpose: str, content: bytes | Iterable[bytes], *, tenant: str
     ) -> dict[str, Any]:
         """Store `content` (bytes, or chunks streamed through) whole, then record it."""
         file_id = new_id("file-")
@@ -99,76 +104,93 @@ class Store(LineTables, ResponseTables):
         size = self.blobs.put(blob, content)
         try:
             with self._tx() as tx:
-                self._insert_file(tx, file_id, size, filename, purpose, blob)
+                self._insert_file(tx, file_id, size, filename, purpose, blob, tenant)
         except BaseException:
             self.blobs.delete(blob)
             raise
-        obj = self.get_file(file_id)
+        obj = self.get_file(file_id, tenant=tenant)
         assert obj is not None
         return obj
 
     def _insert_file(
-        self, tx: Tx, file_id: str, size: int, filename: str, purpose: str, blob: str
+        self,
+        tx: Tx,
+        file_id: str,
+        size: int,
+        filename: str,
+        purpose: str,
+        blob: str,
+        tenant: str,
     ) -> None:
         tx.q(
-            f"INSERT INTO files ({_FILE_COLS}, blob) VALUES (?, ?, ?, ?, ?, NULL, ?)",
-            (file_id, size, int(time.time()), filename, purpose, blob),
+            f"INSERT INTO files ({_FILE_COLS}, blob, tenant) VALUES (?, ?, ?, ?, ?, NULL, ?, ?)",
+            (file_id, size, int(time.time()), filename, purpose, blob, tenant),
         )
 
-    def get_file(self, file_id: str) -> dict[str, Any] | None:
+    def get_file(self, file_id: str, *, tenant: str | None) -> dict[str, Any] | None:
         if not storable(file_id):
             return None
-        rows = self._rows(f"SELECT {_FILE_COLS} FROM files WHERE id = ?", (file_id,))
+        cond, arg = owned(tenant)
+        rows = self._rows(f"SELECT {_FILE_COLS} FROM files WHERE id = ?{cond}", (file_id, *arg))
         return _file_obj(rows[0]) if rows else None
 
-    def read_file(self, file_id: str) -> Iterator[bytes] | None:
+    def read_file(self, file_id: str, *, tenant: str | None) -> Iterator[bytes] | None:
         """The file's bytes in chunks, or None when there is no such file."""
         if not storable(file_id):
             return None
-        rows = self._rows("SELECT blob FROM files WHERE id = ?", (file_id,))
+        cond, arg = owned(tenant)
+        rows = self._rows(f"SELECT blob FROM files WHERE id = ?{cond}", (file_id, *arg))
         return self.blobs.open(rows[0][0] or f"{file_id}.jsonl") if rows else None
 
     def list_files(
-        self, *, purpose: str | None, after: str | None, limit: int, order: str
+        self, *, tenant: str, purpose: str | None, after: str | None, limit: int, order: str
     ) -> tuple[list[dict[str, Any]], bool]:
         desc = order == "desc"
-        sql, args = f"SELECT {_FILE_COLS} FROM files WHERE 1=1", list[Any]()
+        sql, args = f"SELECT {_FILE_COLS} FROM files WHERE tenant = ?", list[Any]([tenant])
         if purpose:
             sql += " AND purpose = ?"
             args.append(purpose)
-        if after:
+        if after:  # a cursor names one of the caller's files, or nothing
             if not storable(after):
                 return [], False
-            sql += f" AND seq {'<' if desc else '>'} (SELECT seq FROM files WHERE id = ?)"
-            args.append(after)
+            seq = "(SELECT seq FROM files WHERE id = ? AND tenant = ?)"
+            sql += f" AND seq {'<' if desc else '>'} {seq}"
+            args += [after, tenant]
         sql += f" ORDER BY seq {'DESC' if desc else 'ASC'} LIMIT ?"
         args.append(limit + 1)
         rows = self._rows(sql, args)
         return [_file_obj(r) for r in rows[:limit]], len(rows) > limit
 
-    def delete_file(self, file_id: str) -> bool:
+    def delete_file(self, file_id: str, *, tenant: str | None) -> bool:
         if not storable(file_id):
             return False
+        cond, arg = owned(tenant)
         with self._tx() as tx:
-            row = tx.q("SELECT blob FROM files WHERE id = ?", (file_id,)).fetchone()
-            tx.q("DELETE FROM files WHERE id = ?", (file_id,))
+            row = tx.q(f"SELECT blob FROM files WHERE id = ?{cond}", (file_id, *arg)).fetchone()
+            tx.q(f"DELETE FROM files WHERE id = ?{cond}", (file_id, *arg))
         if row is not None:  # the bytes go once no row points at them
             self.blobs.delete(row[0] or f"{file_id}.jsonl")
         return row is not None
 
     # -- batches ---------------------------------------------------------------------------
-    def create_batch(self, obj: dict[str, Any]) -> None:
+    def create_batch(self, obj: dict[str, Any], *, tenant: str) -> None:
         with self._tx() as tx:
             tx.q(
-                "INSERT INTO batches (id, status, obj) VALUES (?, ?, ?)",
-                (obj["id"], str(obj["status"]), json.dumps(obj)),
+                "INSERT INTO batches (id, status, obj, tenant) VALUES (?, ?, ?, ?)",
+                (obj["id"], str(obj["status"]), json.dumps(obj), tenant),
             )
 
-    def get_batch(self, batch_id: str) -> dict[str, Any] | None:
+    def get_batch(self, batch_id: str, *, tenant: str | None) -> dict[str, Any] | None:
         if not storable(batch_id):
             return None
-        rows = self._rows("SELECT obj FROM batches WHERE id = ?", (batch_id,))
+        cond, arg = owned(tenant)
+        rows = self._rows(f"SELECT obj FROM batches WHERE id = ?{cond}", (batch_id, *arg))
         return dict(json.loads(rows[0][0])) if rows else None
+
+    def batch_tenant(self, batch_id: str) -> str:
+        """Whose batch it is (its lines run as that tenant)."""
+        rows = self._rows("SELECT tenant FROM batches WHERE id = ?", (batch_id,))
+        return str(rows[0][0]) if rows else DEFAULT_TENANT
 
     def update_batch(
         self,
@@ -221,25 +243,28 @@ class Store(LineTables, ResponseTables):
     def list_batches(
         self,
         *,
+        tenant: str,
         after: str | None = None,
         before: str | None = None,
         limit: int,
         endpoints: tuple[str, ...] | None = None,
     ) -> tuple[list[dict[str, Any]], bool]:
-        """Newest first: those older than `after`, or the `limit` just newer than `before`;
-        only batches of `endpoints` when given (OpenAI and Anthropic lists stay apart)."""
+        """The tenant's batches, newest first: those older than `after`, or the `limit` just
+        newer than `before`; only batches of `endpoints` when given (OpenAI and Anthropic
+        lists stay apart)."""
         if not all(storable(c) for c in (after, before) if c):
             return [], False
-        where, args = ["1=1"], list[Any]()
+        where, args = ["tenant = ?"], list[Any]([tenant])
         if endpoints:
             where.append(f"{self._json('endpoint')} IN ({marks(endpoints)})")
             args += endpoints
+        cursor = "(SELECT seq FROM batches WHERE id = ? AND tenant = ?)"
         if after:
-            where.append("seq < (SELECT seq FROM batches WHERE id = ?)")
-            args.append(after)
+            where.append(f"seq < {cursor}")
+            args += [after, tenant]
         if before:
-            where.append("seq > (SELECT seq FROM batches WHERE id = ?)")
-            args.append(before)
+            where.append(f"seq > {cursor}")
+            args += [before, tenant]
         order = "ASC" if before and not after else "DESC"
         sql = f"SELECT obj FROM batches WHERE {' AND '.join(where)} ORDER BY seq {order} LIMIT ?"
         rows = self._rows(sql, (*args, limit + 1))
@@ -288,9 +313,12 @@ class Store(LineTables, ResponseTables):
         try:
             with self._tx() as tx:
                 obj = self._update(tx, batch_id, fields, expect=CLOSING, held_by=worker)
-                if obj is not None:
+                if obj is not None:  # the batch's tenant owns its output
+                    row = tx.q("SELECT tenant FROM batches WHERE id = ?", (batch_id,)).fetchone()
                     for f, blob, size in zip(files, blobs, sizes, strict=True):
-                        self._insert_file(tx, f.file_id, size, f.filename, "batch_output", blob)
+                        self._insert_file(
+                            tx, f.file_id, size, f.filename, "batch_output", blob, row[0]
+                        )
         finally:
             if obj is None:
                 for blob in blobs:

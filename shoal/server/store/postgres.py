@@ -29,7 +29,8 @@ CREATE TABLE IF NOT EXISTS files (
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
     expires_at BIGINT,
-    blob TEXT
+    blob TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE TABLE IF NOT EXISTS blob_chunks (
     name TEXT NOT NULL,
@@ -42,7 +43,8 @@ CREATE TABLE IF NOT EXISTS batches (
     id TEXT UNIQUE NOT NULL,
     status TEXT NOT NULL,
     obj TEXT NOT NULL,
-    worker TEXT
+    worker TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE INDEX IF NOT EXISTS batches_status ON batches (status);
 CREATE TABLE IF NOT EXISTS results (
@@ -76,10 +78,17 @@ CREATE TABLE IF NOT EXISTS responses (
     obj TEXT NOT NULL,
     items TEXT NOT NULL,
     turn TEXT,
-    events TEXT
+    events TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 CREATE INDEX IF NOT EXISTS responses_chain ON responses (chain);
+-- stores from before tenants: their rows belong to `default`
+ALTER TABLE files ADD COLUMN IF NOT EXISTS tenant TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE batches ADD COLUMN IF NOT EXISTS tenant TEXT NOT NULL DEFAULT 'default';
+ALTER TABLE responses ADD COLUMN IF NOT EXISTS tenant TEXT NOT NULL DEFAULT 'default';
+CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant, seq);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, seq);
 """
 _SCHEMA_LOCK = 0x5_40A1  # an advisory lock: replicas starting together create tables in turn
 

@@ -6,7 +6,8 @@ chain (the engine session that holds the chain's KV) and, once it has finished, 
 the prompt text and token ids (prompt then output) that the chain's next response continues
 from. Background responses also keep their stream's events, for `GET ...?stream=true`.
 
-Rows are bounded: each insert drops rows past `max_age_s` and the oldest past `keep`.
+Rows are bounded: each insert drops rows past `max_age_s` and the oldest past `keep`. A
+response belongs to its `tenant`: the API reads name it, so another tenant's is not found.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shoal.server.ids import storable
-from shoal.server.store.sql import Tables, marks
+from shoal.server.store.sql import DEFAULT_TENANT, Tables, marks, owned
 
 UNFINISHED = ("queued", "in_progress")
 
@@ -33,6 +34,7 @@ class StoredResponse:
     turn: dict[str, Any] | None = None  # prompt_text, token_ids, num_prompt_tokens
     events: list[dict[str, Any]] | None = None
     owner: str | None = None  # the replica running an unfinished background response
+    tenant: str = DEFAULT_TENANT  # whose response it is
 
 
 def _dump(value: Any) -> str | None:
@@ -43,7 +45,7 @@ def _load(text: str | None) -> Any:
     return None if text is None else json.loads(text)
 
 
-_COLS = "id, chain, status, obj, items, turn, events, owner"
+_COLS = "id, chain, status, obj, items, turn, events, owner, tenant"
 
 
 class ResponseTables(Tables):
@@ -51,10 +53,11 @@ class ResponseTables(Tables):
         """Store a new response and drop what the retention bounds no longer allow."""
         with self._tx() as tx:
             tx.q(
-                f"INSERT INTO responses ({_COLS}, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                f"INSERT INTO responses ({_COLS}, created_at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     r.id, r.chain, r.status, _dump(r.obj), _dump(r.items), _dump(r.turn),
-                    _dump(r.events), r.owner, int(r.obj.get("created_at") or time.time()),
+                    _dump(r.events), r.owner, r.tenant, int(r.obj.get("created_at") or time.time()),
                 ),
             )  # fmt: skip
             tx.q("DELETE FROM responses WHERE created_at < ?", (int(time.time() - max_age_s),))
@@ -93,24 +96,28 @@ class ResponseTables(Tables):
             )
             return bool(cur.rowcount > 0)
 
-    def get_response(self, response_id: str) -> StoredResponse | None:
+    def get_response(self, response_id: str, *, tenant: str | None) -> StoredResponse | None:
         if not storable(response_id):
             return None
-        rows = self._rows(f"SELECT {_COLS} FROM responses WHERE id = ?", (response_id,))
+        cond, arg = owned(tenant)
+        sql = f"SELECT {_COLS} FROM responses WHERE id = ?{cond}"
+        rows = self._rows(sql, (response_id, *arg))
         if not rows:
             return None
         r = rows[0]
         return StoredResponse(
-            r[0], r[1], r[2], _load(r[3]), _load(r[4]) or [], _load(r[5]), _load(r[6]), r[7]
+            r[0], r[1], r[2], _load(r[3]), _load(r[4]) or [], _load(r[5]), _load(r[6]), r[7], r[8]
         )
 
-    def delete_response(self, response_id: str) -> str | None:
+    def delete_response(self, response_id: str, *, tenant: str | None) -> str | None:
         """Forget a response; its chain's id when there was one, else None."""
         if not storable(response_id):
             return None
+        cond, arg = owned(tenant)
         with self._tx() as tx:
-            row = tx.q("SELECT chain FROM responses WHERE id = ?", (response_id,)).fetchone()
-            tx.q("DELETE FROM responses WHERE id = ?", (response_id,))
+            sql = f"SELECT chain FROM responses WHERE id = ?{cond}"
+            row = tx.q(sql, (response_id, *arg)).fetchone()
+            tx.q(f"DELETE FROM responses WHERE id = ?{cond}", (response_id, *arg))
         return None if row is None else str(row[0])
 
     def chain_has_responses(self, chain: str) -> bool:
@@ -119,5 +126,6 @@ class ResponseTables(Tables):
     def unfinished_responses(self, owner: str) -> list[StoredResponse]:
         """Background responses `owner` was running when it stopped."""
         sql = f"SELECT id FROM responses WHERE owner = ? AND status IN ({marks(UNFINISHED)})"
-        found = (self.get_response(r[0]) for r in self._rows(sql, (owner, *UNFINISHED)))
+        rows = self._rows(sql, (owner, *UNFINISHED))
+        found = (self.get_response(r[0], tenant=None) for r in rows)
         return [r for r in found if r is not None]

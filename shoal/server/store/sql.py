@@ -8,6 +8,8 @@ from collections.abc import Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
+DEFAULT_TENANT = "default"  # the owner of every row written before tenants (`--keys`)
+
 
 class Tx:
     """One transaction on a DB-API connection; SQL is written with `?` placeholders."""
@@ -29,6 +31,12 @@ class Tx:
 def marks(values: Sequence[Any]) -> str:
     """`?,?,?`: one placeholder per value."""
     return ",".join("?" * len(values))
+
+
+def owned(tenant: str | None) -> tuple[str, tuple[str, ...]]:
+    """A WHERE clause's tenant condition and its argument: none for None (the server's own
+    reads), else rows of `tenant` only."""
+    return ("", ()) if tenant is None else (" AND tenant = ?", (tenant,))
 
 
 class Tables(ABC):

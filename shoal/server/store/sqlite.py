@@ -26,13 +26,15 @@ CREATE TABLE IF NOT EXISTS files (
     created_at INTEGER NOT NULL,
     filename TEXT NOT NULL,
     purpose TEXT NOT NULL,
-    expires_at INTEGER
+    expires_at INTEGER,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE TABLE IF NOT EXISTS batches (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
     id TEXT UNIQUE NOT NULL,
     status TEXT NOT NULL,
-    obj TEXT NOT NULL
+    obj TEXT NOT NULL,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE TABLE IF NOT EXISTS results (
     batch_id TEXT NOT NULL,
@@ -66,13 +68,26 @@ CREATE TABLE IF NOT EXISTS responses (
     obj TEXT NOT NULL,
     items TEXT NOT NULL,
     turn TEXT,
-    events TEXT
+    events TEXT,
+    tenant TEXT NOT NULL DEFAULT 'default'
 );
 CREATE INDEX IF NOT EXISTS responses_created ON responses (created_at);
 CREATE INDEX IF NOT EXISTS responses_chain ON responses (chain);
 """
-# Columns added since the first release: a data dir written by it gains them on open.
-_ADDED = (("files", "blob", "TEXT"), ("batches", "worker", "TEXT"))
+# Columns added since the first release: a data dir written before gains them on open (rows
+# from before tenants belong to `default`); then the indexes that need them.
+_TENANT = "TEXT NOT NULL DEFAULT 'default'"
+_ADDED = (
+    ("files", "blob", "TEXT"),
+    ("batches", "worker", "TEXT"),
+    ("files", "tenant", _TENANT),
+    ("batches", "tenant", _TENANT),
+    ("responses", "tenant", _TENANT),
+)
+INDEXES = """
+CREATE INDEX IF NOT EXISTS files_tenant ON files (tenant, seq);
+CREATE INDEX IF NOT EXISTS batches_tenant ON batches (tenant, seq);
+"""
 
 
 class DiskBlobs:
@@ -120,6 +135,7 @@ class SQLiteStore(Store):
                 have = {r[1] for r in self._db.execute(f"PRAGMA table_info({table})")}
                 if column not in have:
                     self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+            self._db.executescript(INDEXES)
             self.blobs = DiskBlobs(files_dir or self.path.parent / "files")
         except (sqlite3.Error, OSError) as e:
             raise StoreError(f"cannot open the store {self.url}: {e}") from e
