@@ -25,6 +25,7 @@ def main() -> None:
     p.add_argument("--batch-gate", type=Path, default=None)
     p.add_argument("--grammar-cache-mib", type=int, default=256)
     p.add_argument("--grammar-compile-timeout", type=float, default=20.0)
+    p.add_argument("--keys", type=Path, default=None)
     a = p.parse_args()
     engine = EngineConfig(
         model=a.model,
@@ -41,6 +42,7 @@ def main() -> None:
         store=a.store,
         batch_lease_s=a.batch_lease_s,
         batch_gate=a.batch_gate,
+        keys_file=a.keys,
     )
     run_server(config, "127.0.0.1", a.port, log_level="warning")
 
