@@ -26,12 +26,14 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from fastapi import HTTPException, Request
 
-from shoal.engine.hashing import Salt
-from shoal.engine.sessions import common_prefix_len
 from shoal.server.keys import KeysError, KeysFile, read_keys
+
+if TYPE_CHECKING:
+    from shoal.engine.hashing import Salt
 
 log = logging.getLogger("shoal.server")
 DEFAULT = "default"
@@ -46,6 +48,8 @@ class SharedPrefixes:
 
     def blocks(self, prompt: Sequence[int], block_size: int) -> int:
         """Full blocks at the start of `prompt` that hold only a declared prefix's tokens."""
+        from shoal.engine.sessions import common_prefix_len  # (the quota service loads no engine)
+
         head = list(prompt)
         best = max((common_prefix_len(list(p), head[: len(p)]) for p in self.prompts), default=0)
         return best // block_size
@@ -89,6 +93,8 @@ class KVScope:
     def salt_for(self, prompt: Sequence[int], block_size: int) -> Salt | None:
         if self.salt is None:
             return None
+        from shoal.engine.hashing import Salt  # (the quota service imports this module)
+
         return Salt.of(self.salt, self.shared.blocks(prompt, block_size))
 
 
