@@ -8,6 +8,7 @@ from pathlib import Path
 import ray
 
 APP = "shoal"
+KEYS = {"key-alpha": "alpha", "key-beta": "beta"}  # the cluster's tenants besides `default`
 
 
 @dataclass

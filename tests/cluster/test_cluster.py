@@ -9,7 +9,9 @@
 - the same routes, errors and streaming as `shoal serve`, OpenAI's and Anthropic's;
 - a batch created through the ingress runs on both replicas (their shared PostgreSQL store);
   kill -9 of one while it holds answered lines (the line gate keeps them in flight, on any CPU)
-  and it still completes with every result exactly once.
+  and it still completes with every result exactly once;
+- two tenants (`--keys`) sending the same long prompt, in like-named sessions and without:
+  the second is told of no cached tokens on any replica, the first's next turn is.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import openai
 import pytest
 import ray
 from batch_helpers import TERMINAL, HeldLines, chat_line, jsonl, read_lines, upload
-from cluster_harness import Cluster
+from cluster_harness import KEYS, Cluster
 
 from shoal import LLM, SamplingParams
 
@@ -276,3 +278,31 @@ def test_a_batch_running_during_a_replica_kill_completes_exactly_once(cluster: C
     assert sorted(ids) == sorted(x["custom_id"] for x in lines) and set(ids.values()) == {1}
     tokens = {r["response"]["body"]["usage"]["completion_tokens"] for r in results}
     assert tokens == {BATCH_TOKENS}
+
+
+def cached_turn(client: openai.OpenAI, model: str, text: str, session: str | None) -> int:
+    headers = {"X-Session-Id": session} if session else {}
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": text}],
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_headers=headers,
+    )
+    details = reply.usage.prompt_tokens_details if reply.usage else None
+    return (details.cached_tokens or 0) if details else 0
+
+
+def test_tenants_never_reuse_each_others_kv_on_any_replica(cluster: Cluster) -> None:
+    """The same long prompt, in like-named sessions and with none: the second tenant is told
+    of no cached tokens wherever its turn lands (the salt holds in every replica's tiers and
+    the shared one), the first tenant's next turn is."""
+    alpha, beta = (
+        openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=key, max_retries=8, timeout=120)
+        for key in KEYS
+    )
+    for session in ("tenant-0", "tenant-1", None):
+        text = f"Tenants, {session}: " + "tell me about the sea and the rain. " * 6
+        assert cached_turn(alpha, cluster.model, text, session) == 0
+        assert cached_turn(beta, cluster.model, text, session) == 0, session
+        assert cached_turn(alpha, cluster.model, text, session) > 0, session

@@ -65,6 +65,18 @@ def test_a_response_chain_routes_by_its_first_response_id() -> None:
     assert route_for("GET", "/v1/responses/resp_short", {}, b"") == Route()
 
 
+def test_a_tenants_route_is_in_its_namespace() -> None:
+    """With `--keys`, tenants' like-named sessions and like prompts route apart, named as the
+    replicas name them; the batch API's one home stays one."""
+    sid = route_for("POST", "/v1/chat/completions", {"x-session-id": "s"}, chat(), tenant="acme")
+    assert sid == Route(session_id="acme/s")
+    prompt = route_for("POST", "/v1/chat/completions", {}, chat(), tenant="acme")
+    assert prompt == Route(affinity="acme/hi")
+    batch = route_for("GET", "/v1/files", {}, b"", tenant="acme")
+    assert batch == Route(affinity=BATCH_KEY)
+    assert route_for("GET", "/health", {}, b"", tenant="acme") == Route()
+
+
 def test_rendezvous_moves_only_the_keys_of_a_replica_that_leaves() -> None:
     replicas = ["a", "b", "c"]
     keys = [f"session-{i}" for i in range(300)]
