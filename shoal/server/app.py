@@ -169,9 +169,9 @@ def _operator_only(tenant: Annotated[Tenant, Depends(get_tenant)]) -> None:
 
 
 def run_server(config: ServerConfig, host: str, port: int, log_level: str = "info") -> None:
-    """Serve until SIGINT/SIGTERM, then shut down gracefully; exit at once, before the model
-    loads, if the data dir belongs to another live server (1) or the store or quota backend
-    cannot be opened (2)."""
+    """Serve until SIGINT/SIGTERM, then shut down gracefully; SIGHUP reloads the keys file.
+    Exit at once, before the model loads, if the data dir belongs to another live server (1)
+    or the store, the quota backend or the keys file cannot be used (2)."""
     import uvicorn
 
     probe = DataDirLock(config.data_dir)
@@ -192,7 +192,7 @@ def run_server(config: ServerConfig, host: str, port: int, log_level: str = "inf
     def reload_keys(sig: int, frame: FrameType | None) -> None:
         try:
             tenancy.reload()
-        except KeysError as e:  # the server keeps the keys it had
+        except Exception as e:  # the server keeps the keys it had (never raised into the loop)
             log.error("keys not reloaded: %s", e)
 
     signal.signal(signal.SIGHUP, reload_keys)  # key rotation: edit the file, then kill -HUP

@@ -301,8 +301,8 @@ def test_tenants_never_reuse_each_others_kv_on_any_replica(cluster: Cluster) -> 
         openai.OpenAI(base_url=f"{cluster.url}/v1", api_key=key, max_retries=8, timeout=120)
         for key in KEYS
     )
-    for session in ("tenant-0", "tenant-1", None):
-        text = f"Tenants, {session}: " + "tell me about the sea and the rain. " * 6
+    for topic, session in (("Whales", "tenant-0"), ("Storms", "tenant-1"), ("Tides", None)):
+        text = f"{topic}: " + "tell me about the sea and the rain. " * 6
         assert cached_turn(alpha, cluster.model, text, session) == 0
         assert cached_turn(beta, cluster.model, text, session) == 0, session
         assert cached_turn(alpha, cluster.model, text, session) > 0, session
