@@ -48,10 +48,12 @@ class SharedPrefixes:
 
     def blocks(self, prompt: Sequence[int], block_size: int) -> int:
         """Full blocks at the start of `prompt` that hold only a declared prefix's tokens."""
+        if not self.prompts:
+            return 0
         from shoal.engine.sessions import common_prefix_len  # (the quota service loads no engine)
 
-        head = list(prompt)
-        best = max((common_prefix_len(list(p), head[: len(p)]) for p in self.prompts), default=0)
+        head = list(prompt[: max(map(len, self.prompts))])
+        best = max(common_prefix_len(list(p), head[: len(p)]) for p in self.prompts)
         return best // block_size
 
 
@@ -102,46 +104,46 @@ UNKEYED = Tenant()
 UNSALTED = KVScope(None, SharedPrefixes())
 
 
+@dataclass(frozen=True, slots=True)
+class _Keys:
+    """One reading of the keys file, swapped whole on a reload."""
+
+    digests: tuple[tuple[bytes, str], ...] = ()  # (SHA-256 of a key, its tenant's name)
+    tenants: dict[str, Tenant] = field(default_factory=dict)
+    shared: SharedPrefixes = field(default_factory=SharedPrefixes)
+
+
 class Tenancy:
     """The server's tenants: `default` alone, or the keys file's (reloadable)."""
 
     def __init__(self, api_key: str | None = None, keys_path: Path | None = None) -> None:
         self.api_key = hashlib.sha256(api_key.strip().encode()).digest() if api_key else None
         self.path = keys_path
-        self.file = read_keys(keys_path) if keys_path is not None else None
         self._encode: Callable[[str], list[int]] | None = None
-        self._shared = SharedPrefixes()
-        self._tenants: dict[str, Tenant] = {}
-        self._build()
+        self._file = read_keys(keys_path) if keys_path is not None else None
+        self._keys = self._read(self._file)
 
     @property
     def keyed(self) -> bool:
         """Whether tenants are kept apart (`--keys`)."""
-        return self.file is not None
+        return self.path is not None
 
     def tokenize(self, encode: Callable[[str], list[int]]) -> None:
         """Turn the declared shared prefixes into token ids (once the engine is loaded)."""
         self._encode = encode
-        self._build()
+        self._keys = self._read(self._file)
 
     def reload(self) -> None:
-        """Read the keys file again (SIGHUP); raises `KeysError` and keeps the old keys."""
+        """Read the keys file again (SIGHUP); raises `KeysError`, keeping the old keys."""
         if self.path is None:
             return
         file = read_keys(self.path)
-        self.file, old = file, self.file
-        try:
-            self._build()
-        except Exception:
-            self.file = old
-            raise
-        log.info("keys reloaded: %d keys, %d tenants", len(file.keys), len(self._tenants))
+        self._keys, self._file = self._read(file), file
+        log.info("keys reloaded: %d keys, %d tenants", len(file.keys), len(self._keys.tenants))
 
-    def _build(self) -> None:
-        file = self.file
+    def _read(self, file: KeysFile | None) -> _Keys:
         if file is None:
-            self._tenants = {}
-            return
+            return _Keys()
         if self.api_key is not None and file.keys.get(self.api_key, DEFAULT) != DEFAULT:
             raise KeysError(f"keys file {self.path}: --api-key is given to another tenant")
         prompts = [tuple(ids) for ids in file.shared_tokens]
@@ -149,44 +151,46 @@ class Tenancy:
             prompts += [tuple(self._encode(text)) for text in file.shared_texts]
         shared = SharedPrefixes(tuple(p for p in prompts if p))
         names = {DEFAULT, *file.keys.values(), *file.tenants}
-        self._shared = shared
-        self._tenants = {name: self._make(file, name, shared) for name in names}
-
-    @staticmethod
-    def _make(file: KeysFile, name: str, shared: SharedPrefixes) -> Tenant:
-        settings = file.tenants.get(name)
-        return Tenant(
-            name,
-            namespaced=True,
-            quota_key=(settings.quota_key if settings else None) or name,
-            rpm=settings.rpm if settings else None,
-            tpm=settings.tpm if settings else None,
-            shared=shared,
-        )
+        tenants = {name: _tenant(file, name, shared) for name in names}
+        return _Keys(tuple(file.keys.items()), tenants, shared)
 
     def tenant(self, name: str) -> Tenant:
         """The tenant called `name` (a batch's owner, run later): one the keys file no longer
         names keeps its namespace, salt and quota key."""
-        if self.file is None:
+        return self._tenant_of(self._keys, name)
+
+    def _tenant_of(self, keys: _Keys, name: str) -> Tenant:
+        if not self.keyed:
             return UNKEYED
-        return self._tenants.get(name) or Tenant(name, True, name, shared=self._shared)
+        return keys.tenants.get(name) or Tenant(name, True, name, shared=keys.shared)
 
     def authenticate(self, key: bytes | None) -> Tenant | None:
         """The tenant whose key was presented; None when it opens nothing."""
-        if self.file is None and self.api_key is None:
+        if not self.keyed and self.api_key is None:
             return UNKEYED
         if key is None:
             return None
+        keys = self._keys  # one reading, whatever a reload does meanwhile
         digest = hashlib.sha256(key.strip()).digest()
         found = None
         if self.api_key is not None and hmac.compare_digest(digest, self.api_key):
             found = DEFAULT
-        for known, name in self.file.keys.items() if self.file is not None else ():
+        for known, name in keys.digests:
             if hmac.compare_digest(digest, known):  # every entry compared: no early exit
                 found = name
-        if found is None:
-            return None
-        return self.tenant(found)
+        return None if found is None else self._tenant_of(keys, found)
+
+
+def _tenant(file: KeysFile, name: str, shared: SharedPrefixes) -> Tenant:
+    settings = file.tenants.get(name)
+    return Tenant(
+        name,
+        namespaced=True,
+        quota_key=(settings.quota_key if settings else None) or name,
+        rpm=settings.rpm if settings else None,
+        tpm=settings.tpm if settings else None,
+        shared=shared,
+    )
 
 
 def get_tenant(request: Request) -> Tenant:
