@@ -185,7 +185,8 @@ def _run_bash(readme: Readme, block: Block) -> None:
         timeout=600,
         stdin=subprocess.DEVNULL,
     )
-    assert done.returncode == 0, f"README.md:{block.line}\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
+    output = done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.returncode == 0, f"README.md:{block.line}\n{output}"
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[f"line{b.line}-{b.kind}" for b in BLOCKS])
