@@ -58,7 +58,7 @@ claude-code: npm
 
 # The docs site (mkdocs.yml): --strict makes a broken link, a missing page or a bad snippet fail.
 docs: install
-	$(VENV)/bin/mkdocs build --strict --site-dir build/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
 
 test: install redis-server postgresql codex claude-code docs
 	$(VENV)/bin/ruff check shoal tests benchmarks

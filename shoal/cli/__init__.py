@@ -4,6 +4,7 @@ parsing here (one module per subcommand), work elsewhere."""
 from __future__ import annotations
 
 import argparse
+from typing import cast
 
 from shoal.batchify.cli import add_parser as add_batchify
 from shoal.cli.formatting import ShoalParser, examples
@@ -30,7 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
             "shoal serve --help                 # every subcommand has its own reference",
         ),
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # Its parsers are ShoalParsers; the subcommands' modules need only ArgumentParser's API.
+    sub = cast(
+        "argparse._SubParsersAction[argparse.ArgumentParser]",
+        parser.add_subparsers(dest="command", required=True, metavar="COMMAND"),
+    )
     add_generate(sub)
     add_bench(sub)
     add_serve(sub)
