@@ -23,6 +23,11 @@ def add_argument(parser: argparse.ArgumentParser, name: str) -> None:
     )
 
 
+def beside(path: str, what: str) -> str:
+    """A second plot's path next to the first's: `w2_sessions.png` -> `w2_sessions_restore.png`."""
+    return str(Path(path).with_stem(f"{Path(path).stem}_{what}")) if path else ""
+
+
 def _pyplot() -> Any:
     try:
         import matplotlib
@@ -86,6 +91,10 @@ def lines(
         ax.plot(list(xs), list(ys), marker="o", label=name)
     if logx:
         ax.set_xscale("log", base=2)
+    if all(float(x).is_integer() for xs, _ in series.values() for x in xs):
+        from matplotlib.ticker import MaxNLocator
+
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # turns, batch sizes
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)
