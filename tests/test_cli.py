@@ -141,3 +141,52 @@ def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, mon
     assert main([*args, "--num-speculative-tokens", "3"]) == 0
     assert made[0].engine.config.num_speculative_tokens == 3
     assert json.loads(capsys.readouterr().out)["text"] == plain["text"]
+
+
+LEAF_COMMANDS = [
+    ["generate"],
+    ["bench"],
+    ["serve"],
+    ["sessions"],
+    ["batchify"],
+    ["quota", "serve"],
+    ["cluster", "deploy"],
+]
+
+
+@pytest.mark.parametrize("command", LEAF_COMMANDS, ids=" ".join)
+def test_each_command_s_help_is_a_reference(command, capsys):
+    """Grouped options, each explained, with its default shown, and examples to copy."""
+    with pytest.raises(SystemExit) as e:
+        main([*command, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "\nexamples:\n  shoal " + " ".join(command) in out
+    assert "(default: " in out
+
+
+def test_serve_help_shows_its_defaults_in_groups(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    out = capsys.readouterr().out
+    for group in ("HTTP:", "model:", "KV cache and its tiers", "replicas on Ray Serve"):
+        assert group in out
+    assert "port to listen on (default: 8000)" in " ".join(out.split())
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_every_option_is_explained_and_in_the_reference():
+    """The docs' configuration page is rendered from these parsers: nothing is left out."""
+    from shoal.cli import build_parser
+    from shoal.cli.reference import _commands, markdown
+
+    parser = build_parser()
+    page = markdown(parser)
+    for path, command in _commands(parser, ("shoal",)):
+        assert f"## `{' '.join(path)}`" in page
+        for action in command._actions:
+            if not action.option_strings or action.dest == "help":
+                continue
+            assert action.help, f"{' '.join(path)} {action.option_strings[-1]} has no help"
+            assert f"`{action.option_strings[-1]}" in page, action.option_strings
+    assert "| `--port N` | `8000` | port to listen on |" in page

@@ -19,18 +19,24 @@ ServerConfigOf = Callable[[argparse.Namespace], "ServerConfig | None"]
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'shoal[cluster]')")
+    g.add_argument(
         "--replicas",
         type=int,
+        metavar="N",
         default=0,
-        help="engine replicas behind a Ray Serve ingress (pip install 'shoal[cluster]'); "
-        "0: one engine in this process, no Ray",
+        help="engine replicas behind a Ray Serve ingress; 0: one engine in this process, no Ray",
     )
-    p.add_argument("--replica-cpus", type=float, default=1.0, help="Ray CPUs per replica")
-    p.add_argument("--replica-gpus", type=float, default=0.0, help="Ray GPUs per replica")
-    p.add_argument(
+    g.add_argument(
+        "--replica-cpus", type=float, metavar="N", default=1.0, help="Ray CPUs per replica"
+    )
+    g.add_argument(
+        "--replica-gpus", type=float, metavar="N", default=0.0, help="Ray GPUs per replica"
+    )
+    g.add_argument(
         "--imbalance-threshold",
         type=int,
+        metavar="N",
         default=8,
         help="requests a session's home may queue beyond the lightest replica before its "
         "turn goes to the lightest",
@@ -71,10 +77,21 @@ def add_parser(
     server_arguments: Callable[[argparse.ArgumentParser], None],
     server_config: ServerConfigOf,
 ) -> None:
-    cluster = sub.add_parser("cluster", help="shoal on Ray (pip install 'shoal[cluster]')")
-    commands = cluster.add_subparsers(dest="cluster_command", required=True)
+    cluster = sub.add_parser(
+        "cluster",
+        help="shoal on Ray (pip install 'shoal[cluster]')",
+        description="Engine replicas behind one OpenAI + Anthropic ingress on Ray Serve, each "
+        "session's turns routed to the replica holding its KV.",
+    )
+    commands = cluster.add_subparsers(dest="cluster_command", required=True, metavar="COMMAND")
     deploy = commands.add_parser(
-        "deploy", help="deploy the ingress and engine replicas on a running Ray cluster"
+        "deploy",
+        help="deploy the ingress and engine replicas on a running Ray cluster",
+        description="Deploy shoal as a Ray Serve application on a running Ray cluster; it takes "
+        "`shoal serve`'s flags.",
+        epilog="examples:\n"
+        "  shoal cluster deploy --address auto --replicas 4 --replica-gpus 1 \\\n"
+        "      --session-tier /mnt/shared/shoal-tier --store postgresql://shoal@db/shoal",
     )
     deploy.add_argument(
         "--address",

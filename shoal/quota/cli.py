@@ -10,19 +10,32 @@ from shoal.quota.errors import QuotaError
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    quota = sub.add_parser("quota", help="the quota service (shared Reserve/Complete budgets)")
-    commands = quota.add_subparsers(dest="quota_command", required=True)
-    serve = commands.add_parser("serve", help="serve a limits file over HTTP")
-    serve.add_argument("--config", required=True, help="limits TOML file")
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8100)
+    quota = sub.add_parser(
+        "quota",
+        help="the quota service (shared Reserve/Complete budgets)",
+        description="Budgets that jobs calling LLMs share: requests and tokens per window, "
+        "concurrent jobs. A job reserves before its call and reports what it used after.",
+    )
+    commands = quota.add_subparsers(dest="quota_command", required=True, metavar="COMMAND")
+    serve = commands.add_parser(
+        "serve",
+        help="serve a limits file over HTTP",
+        description="Serve the limits of a TOML file over HTTP (/v1/reserve, /v1/complete, "
+        "their /batch forms, /v1/limits, /v1/usage, /metrics).",
+        epilog="examples:\n"
+        "  shoal quota serve --config limits.toml --port 8100            # SQLite in ./shoal-data\n"
+        "  shoal quota serve --config limits.toml --backend redis://127.0.0.1:6379/0",
+    )
+    serve.add_argument("--config", required=True, help="the limits TOML file")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8100, help="port to listen on")
     serve.add_argument(
         "--backend",
         default=None,
         help="sqlite:///path.db or redis://host:port/db (default: the config's backend, "
         "else quota.db in --data-dir)",
     )
-    serve.add_argument("--data-dir", default="./shoal-data")
+    serve.add_argument("--data-dir", default="./shoal-data", help="where the SQLite file goes")
     serve.add_argument("--api-key", default=None, help="require this Bearer token")
     serve.set_defaults(func=_serve)
 

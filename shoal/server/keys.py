@@ -23,11 +23,8 @@ reload keeps the keys it had.
 
 from __future__ import annotations
 
-import argparse
-import getpass
 import hashlib
 import re
-import sys
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -149,28 +146,3 @@ def read_keys(path: str | Path) -> KeysFile:
         rpm, tpm = _count(table, "rpm", where, path), _count(table, "tpm", where, path)
         found.tenants[name] = TenantSettings(quota_key, rpm, tpm)
     return found
-
-
-def _hash_command(args: argparse.Namespace) -> int:
-    """Print the keys file's line for a key (read without echo, or from a pipe)."""
-    key = sys.stdin.readline() if not sys.stdin.isatty() else getpass.getpass("API key: ")
-    if not key.strip():
-        print("shoal keys hash: no key given", file=sys.stderr)
-        return 2
-    if args.tenant is None:
-        print(f'sha256 = "{hash_key(key)}"')
-        return 0
-    if not TENANT_NAME.fullmatch(args.tenant):
-        print("shoal keys hash: a tenant name is 1-64 letters, digits, '.', '_' or '-'")
-        return 2
-    print(f'[[key]]\nsha256 = "{hash_key(key)}"\ntenant = "{args.tenant}"')
-    return 0
-
-
-def add_parser(sub: Any) -> None:
-    """`shoal keys hash [--tenant NAME]`: what the keys file keeps of a key."""
-    keys = sub.add_parser("keys", help="API keys for `shoal serve --keys`")
-    verbs = keys.add_subparsers(dest="keys_command", required=True)
-    h = verbs.add_parser("hash", help="read a key (stdin) and print its keys-file entry")
-    h.add_argument("--tenant", default=None, help="print a whole [[key]] entry for this tenant")
-    h.set_defaults(func=_hash_command)

@@ -12,20 +12,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
-import uvicorn
-from server_harness import LiveServer, SpawnedServer, free_port
+from server_harness import LiveServer, SpawnedServer, free_port, serve_in_thread
 from server_tiny_model import build_tiny_model
 
 from shoal.config import EngineConfig
-from shoal.server.app import create_app
 from shoal.server.state import ServerConfig
 
 NUM_BLOCKS = 1024
@@ -78,23 +74,7 @@ def start_server(
         engine_kw = {"model": str(tiny_chat_model), "num_blocks": NUM_BLOCKS, "max_waiting": 1024}
         engine_config = EngineConfig(**{**engine_kw, **(engine or {})})
         config = ServerConfig(engine=engine_config, **overrides)
-        port = free_port()
-        uv = uvicorn.Config(
-            create_app(config),
-            host="127.0.0.1",
-            port=port,
-            log_level="warning",
-            timeout_graceful_shutdown=10,
-        )
-        server = uvicorn.Server(uv)
-        thread = threading.Thread(target=server.run, daemon=True)
-        thread.start()
-        deadline = time.monotonic() + 60
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the test server did not start")
-            time.sleep(0.02)
-        live = LiveServer(f"http://127.0.0.1:{port}", server, thread, config.data_dir)
+        live = serve_in_thread(config)
         started.append(live)
         return live
 

@@ -15,7 +15,8 @@ import httpx
 import openai
 import uvicorn
 
-from shoal.server.state import ServerState
+from shoal.server.app import create_app
+from shoal.server.state import ServerConfig, ServerState
 
 
 def free_port() -> int:
@@ -78,6 +79,27 @@ class SpawnedServer:
     def terminate(self, timeout: float = 60) -> int:
         self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout=timeout)
+
+
+def serve_in_thread(config: ServerConfig, port: int | None = None) -> LiveServer:
+    """`config`'s app under uvicorn on 127.0.0.1, in a thread of this process; ready."""
+    port = port or free_port()
+    uv = uvicorn.Config(
+        create_app(config),
+        host="127.0.0.1",
+        port=port,
+        log_level="warning",
+        timeout_graceful_shutdown=10,
+    )
+    server = uvicorn.Server(uv)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    return LiveServer(f"http://127.0.0.1:{port}", server, thread, config.data_dir)
 
 
 def wait_pool_whole(live: LiveServer, timeout: float = 60) -> bool:

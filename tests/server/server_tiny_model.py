@@ -61,13 +61,16 @@ def build_tiny_model(path: Path, max_positions: int = 512) -> Path:
     return path
 
 
-def build_terse_smollm2_model(path: Path, max_positions: int = 32768) -> Path:
+def build_terse_smollm2_model(
+    path: Path, max_positions: int = 32768, num_layers: int = 2, num_heads: int = 4
+) -> Path:
     """A tiny Llama with SmolLM2's tokenizer and chat template (from the bundled GGUF, read
     locally) that answers every prompt with its end-of-turn token at once, even when
     sampling: for clients whose prompts pass SmolLM2's 8,192 tokens (Codex CLI's is ~11k)
     and who need their turn to end (they take a cut-off answer as a failure). Attention and
     MLP outputs are zero and every token embeds alike, so the last hidden state is the same
-    for every prompt, and only the end-of-turn token's logit is not zero. Idempotent."""
+    for every prompt, and only the end-of-turn token's logit is not zero. Fewer layers and
+    heads make a long prompt (Claude Code's ~22k tokens) cheaper to prefill. Idempotent."""
     if (path / "config.json").exists() and (path / "tokenizer.json").exists():
         return path
     import torch
@@ -81,11 +84,11 @@ def build_terse_smollm2_model(path: Path, max_positions: int = 32768) -> Path:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        hidden_size=16 * num_heads,
+        intermediate_size=32 * num_heads,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=max(1, num_heads // 2),
         max_position_embeddings=max_positions,
         eos_token_id=tok.eos_token_id,
         bos_token_id=tok.bos_token_id,

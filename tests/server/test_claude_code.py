@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import agent_clients
 import httpx
 import pytest
 from server_harness import LiveServer
 from server_tiny_model import build_tiny_model
 
-REPO = Path(__file__).resolve().parents[2]
-CLAUDE = shutil.which(str(REPO / ".tools/claude-code/node_modules/.bin/claude")) or shutil.which(
-    "claude"
-)
+CLAUDE = agent_clients.claude_code()
 pytestmark = pytest.mark.skipif(
-    CLAUDE is None, reason="Claude Code is not installed: `make claude-code` (npm) could not"
+    CLAUDE is None, reason=agent_clients.NOT_INSTALLED.format("Claude Code", "claude-code")
 )
 
 

@@ -9,7 +9,8 @@ a tiny random one with SmolLM2's tokenizer and a 32k context, whose answer ends 
 cut-off answer is a failure to Codex); the test checks the protocol, not the words.
 
 The binary comes from `make codex` (npm's `@openai/codex`, into .tools/codex), or
-`SHOAL_CODEX`, or the PATH; the test skips, saying so, only where none is installed.
+`SHOAL_CODEX`, or the PATH (`agent_clients.py`); the test skips, saying so, only where none
+is installed.
 """
 
 from __future__ import annotations
@@ -17,28 +18,23 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+import agent_clients
 import httpx
 import pytest
 from server_harness import LiveServer
 from server_tiny_model import build_terse_smollm2_model
 
-REPO = Path(__file__).resolve().parents[2]
 SMOLLM2_CONTEXT = 8192
 
 
 def _codex() -> str:
-    found = (
-        os.environ.get("SHOAL_CODEX")
-        or shutil.which(str(REPO / ".tools/codex/node_modules/.bin/codex"))
-        or shutil.which("codex")
-    )
+    found = agent_clients.codex()
     if not found:
-        pytest.skip("Codex CLI is not installed: `make codex` (npm) could not install it here")
+        pytest.skip(agent_clients.NOT_INSTALLED.format("Codex CLI", "codex"))
     return found
 
 
