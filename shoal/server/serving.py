@@ -214,12 +214,9 @@ async def _one(srv: Serving, prep: Prepared, i: int) -> AsyncGenerator[RequestOu
     last_t: float | None = None
     last_n = 0
     final: RequestOutput | None = None
-    kwargs = prep.engine_kwargs
-    salt = prep.kv.salt_for(
-        prompt if isinstance(prompt, list) else [], srv.engine.config.block_size
-    )
-    if salt is not None:
-        kwargs = {**kwargs, "cache_salt": salt}
+    ids = prompt if isinstance(prompt, list) else []
+    salt = prep.kv.salt_for(ids, srv.engine.config.block_size)
+    kwargs = {**prep.engine_kwargs, "cache_salt": salt} if salt else prep.engine_kwargs
     try:
         gen = cast(
             AsyncGenerator[RequestOutput], srv.aeng.generate(prompt, params, request_id, **kwargs)
