@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+from engine_steps import engine_steps
 from server_harness import LiveServer
 
 USER = [{"role": "user", "content": "Hello world, say hello."}]
@@ -235,21 +237,18 @@ def test_api_key(start_server: Callable[..., LiveServer]) -> None:
 
 def test_queue_full_is_429(start_server: Callable[..., LiveServer]) -> None:
     live = start_server(engine={"max_waiting": 1})
-    body = {
-        "model": live.model,
-        "prompt": "Hello",
-        "max_tokens": 200,
-        "stream": True,
-        "ignore_eos": True,
-    }
-    with httpx.stream("POST", f"{live.url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        r2 = httpx.post(
-            f"{live.url}/v1/completions", json={**body, "stream": False, "max_tokens": 2}
-        )
+    body = {"model": live.model, "prompt": "Hello", "max_tokens": 8, "ignore_eos": True}
+    url = f"{live.url}/v1/completions"
+    with engine_steps(live.state.engine) as steps, ThreadPoolExecutor(1) as pool:
+        steps.hold()  # the first request stays unfinished, on any CPU
+        first = pool.submit(httpx.post, url, json=body, timeout=60)
+        steps.wait(lambda: len(steps.arrived) == 1)
+        r2 = httpx.post(url, json={**body, "max_tokens": 2})
         assert r2.status_code == 429
         assert r2.headers["retry-after"] == "1"
         assert r2.json()["error"]["type"] == "rate_limit_exceeded"
+        steps.release()
+        assert first.result().status_code == 200
 
 
 def test_sessions(start_server: Callable[..., LiveServer]) -> None:
