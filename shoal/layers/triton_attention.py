@@ -27,7 +27,9 @@ DECODE_ROWS = 16
 PREFILL_ROWS = 64
 
 
-@triton.jit
+# The table's row stride is the step's longest table in eager steps: not specialized on, so a
+# new length never compiles the kernel again mid-run.
+@triton.jit(do_not_specialize=["stride_table"])
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
