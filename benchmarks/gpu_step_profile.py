@@ -76,7 +76,7 @@ def _graph_replay_seconds(llm: LLM, batch: int, replays: int = 20) -> float | No
     size = graphs.rows.bucket(batch)
     if size is None:
         return None
-    graph, _ = graphs._graphs[size]
+    graph = graphs._graphs[size]
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

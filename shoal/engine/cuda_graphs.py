@@ -83,7 +83,8 @@ class DecodeRows:
 
 class DecodeGraphs:
     """One CUDA graph per bucket of `rows.sizes`, each computing the logits of every row of its
-    bucket; captured when built (largest first, sharing one memory pool) and never again."""
+    bucket into the first rows of one shared buffer; captured when built (largest first,
+    sharing one memory pool) and never again."""
 
     def __init__(self, model: LlamaForCausalLM, rows: DecodeRows, device: torch.device) -> None:
         self.model, self.rows = model, rows
@@ -91,7 +92,8 @@ class DecodeGraphs:
         self._device = torch.zeros(rows.shape, dtype=torch.int64, device=device)
         # The last copy out of the pinned rows; they are not rewritten before it is done.
         self._copied = torch.cuda.Event()
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits = torch.empty(0)
         self._capture()
 
     def fits(self, step: StepLayout) -> bool:
@@ -118,12 +120,15 @@ class DecodeGraphs:
         self._device.copy_(self._host)
         pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.rows.sizes):
-            self._forward(size)  # warm-up: compiles the kernels, sets up cuBLAS
+            warm = self._forward(size)  # warm-up: compiles the kernels, sets up cuBLAS
+            if not self._logits.numel():  # the largest bucket's: every graph writes into it
+                self._logits = torch.empty_like(warm)
+            del warm
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            self._graphs[size] = (graph, logits)
+                self._logits[:size].copy_(self._forward(size))
+            self._graphs[size] = graph
         torch.cuda.synchronize()
 
     def run(self, step: StepLayout) -> torch.Tensor:
@@ -135,6 +140,5 @@ class DecodeGraphs:
         self.rows.fill(self._host.numpy()[:size], step)
         self._device[:size].copy_(self._host[:size], non_blocking=True)
         self._copied.record()
-        graph, logits = self._graphs[size]
-        graph.replay()
-        return logits
+        self._graphs[size].replay()
+        return self._logits[:size]
