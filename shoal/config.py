@@ -76,6 +76,11 @@ class EngineConfig:
     grammar_compile_bytes: int = 1024 * MiB
     grammar_wait_s: float = 60.0
     grammar_cache_bytes: int = 256 * MiB
+    # CUDA graphs for decode steps (`engine/cuda_graphs.py`): on CUDA one graph per batch size
+    # in `cuda_graph_sizes` (default: 1, 2, 4, then multiples of 8 up to `max_num_seqs`) is
+    # captured at start-up; `enforce_eager` runs every step eagerly. Off CUDA both are ignored.
+    enforce_eager: bool = False
+    cuda_graph_sizes: tuple[int, ...] | None = None
 
     def grammar_budget(self) -> GrammarBudget:
         from shoal.engine.grammar_worker import GrammarBudget
@@ -106,6 +111,10 @@ class EngineConfig:
             raise InvalidRequestError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.num_speculative_tokens and self.backend != "torch":
             raise InvalidRequestError("num_speculative_tokens needs the torch backend")
+        if self.cuda_graph_sizes is not None and not all(
+            0 < n <= self.max_num_seqs for n in self.cuda_graph_sizes
+        ):
+            raise InvalidRequestError("cuda_graph_sizes must be in [1, max_num_seqs]")
         if self.grammar_cache_bytes < 0:
             raise InvalidRequestError("grammar_cache_bytes must be >= 0")
         self.grammar_budget()  # checks the compile budget

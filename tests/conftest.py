@@ -25,6 +25,12 @@ pytest_plugins = ["server_fixtures"]
 for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
+# Without an NVIDIA GPU, triton (where installed) can only interpret its kernels
+# (tests/layers/test_triton_attention.py). `@triton.jit` reads the flag when it decorates, which
+# for triton's own library is when triton is first imported, by whichever module: so here.
+if not Path("/dev/nvidiactl").exists():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY_VOCAB = 320
 TINY_MAX_POSITIONS = 512
 

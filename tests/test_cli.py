@@ -143,6 +143,19 @@ def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, mon
     assert json.loads(capsys.readouterr().out)["text"] == plain["text"]
 
 
+def test_device_flags_reach_the_engine_config():
+    from shoal.cli import build_parser
+    from shoal.cli.engine_args import engine_config
+
+    args = build_parser().parse_args(["generate", "hi"])
+    config = engine_config(args)
+    assert (config.device, config.enforce_eager, config.cuda_graph_sizes) == ("cpu", False, None)
+    flags = ["--device", "cuda:1", "--enforce-eager", "--cuda-graph-sizes", "1", "8", "32"]
+    config = engine_config(build_parser().parse_args(["serve", *flags]))
+    assert (config.device, config.enforce_eager) == ("cuda:1", True)
+    assert config.cuda_graph_sizes == (1, 8, 32)
+
+
 LEAF_COMMANDS = [
     ["generate"],
     ["bench"],

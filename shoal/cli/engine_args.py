@@ -39,6 +39,28 @@ def engine_arguments(p: argparse.ArgumentParser, backend: bool = True) -> None:
         help="longest prompt + answer; default: the model's",
     )
 
+    dev = p.add_argument_group("device")
+    dev.add_argument(
+        "--device",
+        default=d.device,
+        metavar="DEVICE",
+        help="where the model runs: cpu, cuda or cuda:N",
+    )
+    dev.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run decode steps eagerly instead of replaying CUDA graphs",
+    )
+    dev.add_argument(
+        "--cuda-graph-sizes",
+        type=int,
+        nargs="+",
+        metavar="N",
+        default=None,
+        help="decode batch sizes captured as CUDA graphs at start-up; "
+        "default: 1, 2, 4, then multiples of 8 up to --max-num-seqs",
+    )
+
     batch = p.add_argument_group("batching")
     batch.add_argument(
         "--max-num-seqs",
@@ -144,6 +166,9 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         model=args.model,
         backend=getattr(args, "backend", EngineConfig().backend),
         dtype=args.dtype,
+        device=args.device,
+        enforce_eager=args.enforce_eager,
+        cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -14,6 +14,7 @@ from shoal.config import EngineConfig
 from shoal.engine.block_files import KVLayout
 from shoal.engine.block_pool import BlockPool
 from shoal.engine.block_store import BlockStore, build_store
+from shoal.engine.cuda_graphs import graph_sizes
 from shoal.engine.detokenizer import Detokenizer
 from shoal.engine.input_processor import InputProcessor
 from shoal.engine.kv_cache_manager import KVCacheManager
@@ -56,7 +57,10 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
     pool = BlockPool(num_blocks, config.block_size)
     model = LlamaForCausalLM(cfg, loaded.weights, max_model_len)
-    runner = ModelRunner(model, num_blocks, config.block_size, config.device)
+    graphs = None
+    if torch.device(config.device).type == "cuda" and not config.enforce_eager:
+        graphs = graph_sizes(config.max_num_seqs, config.cuda_graph_sizes)
+    runner = ModelRunner(model, num_blocks, config.block_size, config.device, max_model_len, graphs)
     layout = KVLayout(
         loaded.fingerprint,
         config.dtype,

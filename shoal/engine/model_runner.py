@@ -5,11 +5,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from shoal.engine.cuda_graphs import DecodeGraphs, DecodeRows
 from shoal.engine.host_memory import keep_freed_memory
 from shoal.engine.output_processor import Sampled
 from shoal.engine.sampler import sample, verify_drafts
 from shoal.engine.scheduler import ScheduledBatch
 from shoal.engine.sequence import Sequence
+from shoal.engine.step_layout import StepLayout, lay_out
 from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
 from shoal.layers.linear import native_bf16_products
@@ -17,8 +19,18 @@ from shoal.models.llama import LlamaForCausalLM
 
 
 class ModelRunner:
+    """Owns the model and its KV caches. With `graph_sizes` on CUDA, decode steps of up to the
+    largest size replay CUDA graphs captured here, at start-up; their padding rows write to
+    one block past the pool's (`num_blocks`), which no request ever holds."""
+
     def __init__(
-        self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: str
+        self,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: str,
+        max_model_len: int | None = None,
+        graph_sizes: list[int] | None = None,
     ) -> None:
         self.model = model.to(device).eval()
         self.block_size = block_size
@@ -31,10 +43,17 @@ class ModelRunner:
             kernels = cpu_kernels.native()
             if kernels is not None and kernels.has_gemm(dtype):
                 model.use_float32_activations()
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        graphs = bool(graph_sizes) and self.device.type == "cuda"
+        pad_blocks = 1 if graphs else 0
+        shape = (num_blocks + pad_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs and graph_sizes:
+            max_len = max_model_len or model.rotary.cos.shape[0]
+            layout = DecodeRows(graph_sizes, -(-max_len // block_size), num_blocks, block_size)
+            self.graphs = DecodeGraphs(model, layout, self.device)
 
     def _tensor(self, values: list[int] | np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
@@ -48,79 +67,46 @@ class ModelRunner:
             padded[r, : len(t)] = t
         return self._tensor(padded)
 
-    def _prepare(
-        self, batch: ScheduledBatch
-    ) -> tuple[
-        torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[Sequence], list[Sequence]
-    ]:
-        bs = self.block_size
-        # Single-token queries (decodes) first: they share one padded, batched attention call.
-        order = sorted(range(len(batch.seqs)), key=lambda i: batch.num_new_tokens[i] != 1)
-        ids: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_tables: list[np.ndarray] = []
-        decode_lens: list[int] = []
-        prefills: list[PrefillChunk] = []
-        prefill_tables: list[np.ndarray] = []
-        logit_rows: list[int] = []
-        sampled_seqs: list[Sequence] = []
-        draft_rows: list[int] = []
-        draft_seqs: list[Sequence] = []
-        for i in order:
-            seq, start, n = batch.seqs[i], batch.starts[i], batch.num_new_tokens[i]
-            end = start + n
-            q_start = len(ids)
-            ids += seq.tokens_slice(start, end) + seq.draft_token_ids
-            pos = np.arange(start, end)
-            table = np.asarray(seq.block_table)
-            positions.append(pos)
-            slots.append(table[pos // bs] * bs + pos % bs)
-            num_blocks = -(-end // bs)
-            if n == 1:
-                decode_tables.append(table[:num_blocks])
-                decode_lens.append(end)
-            else:
-                prefills.append(PrefillChunk(q_start, n, end, self._tensor(table[:num_blocks])))
-                prefill_tables.append(table[:num_blocks])
-            if seq.draft_token_ids:  # every row: the model's choice after each draft
-                draft_rows.extend(range(q_start, q_start + n))
-                draft_seqs.append(seq)
-            elif end == seq.num_tokens:
-                logit_rows.append(q_start + n - 1)
-                sampled_seqs.append(seq)
-
+    def _eager_inputs(
+        self, step: StepLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata of the step, as tensors."""
+        prefills = [
+            PrefillChunk(q_start, q_len, ctx, self._tensor(table))
+            for (q_start, q_len, ctx), table in zip(step.prefills, step.prefill_tables, strict=True)
+        ]
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            num_decodes=len(decode_tables),
-            decode_block_tables=self._padded(decode_tables),
-            decode_lens=self._tensor(decode_lens) if decode_lens else None,
+            slot_mapping=self._tensor(np.concatenate(step.slots)),
+            num_decodes=step.num_decodes,
+            decode_block_tables=self._padded(step.decode_tables),
+            decode_lens=self._tensor(step.decode_lens) if step.decode_lens else None,
             prefills=prefills,
-            prefill_spans=self._tensor(
-                np.array([(c.q_start, c.q_len, c.context_len) for c in prefills]).reshape(-1, 3)
-            )
+            prefill_spans=self._tensor(np.array(step.prefills).reshape(-1, 3))
             if prefills
             else None,
-            prefill_tables=self._padded(prefill_tables),
+            prefill_tables=self._padded(step.prefill_tables),
         )
-        return (
-            self._tensor(ids),
-            self._tensor(np.concatenate(positions)),
-            meta,
-            logit_rows + draft_rows,
-            sampled_seqs,
-            draft_seqs,
-        )
+        return self._tensor(step.ids), self._tensor(np.concatenate(step.positions)), meta
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
         """Run the batch; return the sequences that reached their end and a token for each
-        (after the drafts the model agreed with, for those that carried drafts)."""
-        input_ids, positions, meta, rows, seqs, drafted = self._prepare(batch)
-        hidden = self.model(input_ids, positions, meta)
-        if not rows:
-            return [], Sampled([], None, None)
-        logits = self.model.compute_logits(hidden[self._tensor(rows)])
+        (after the drafts the model agreed with, for those that carried drafts). A step of
+        decodes only replays a captured CUDA graph where one fits it."""
+        step = lay_out(batch, self.block_size)
+        if self.graphs is not None and self.graphs.fits(step):
+            logits = self.graphs.run(step)
+            if not step.logit_rows:
+                return [], Sampled([], None, None)
+            if step.logit_rows != list(range(len(step.logit_rows))):
+                logits = logits[self._tensor(step.logit_rows)]
+        else:
+            input_ids, positions, meta = self._eager_inputs(step)
+            hidden = self.model(input_ids, positions, meta)
+            if not step.logit_rows:
+                return [], Sampled([], None, None)
+            logits = self.model.compute_logits(hidden[self._tensor(step.logit_rows)])
+        seqs, drafted = step.sampled, step.drafted
         sampled = sample(logits[: len(seqs)], seqs)
         if drafted:
             verify_drafts(logits[len(seqs) :], drafted, sampled)

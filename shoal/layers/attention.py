@@ -7,13 +7,18 @@ every query attends to its own sequence's blocks, causally, after the tokens alr
 On the CPU both run as C++ kernels that read the blocks in place (`csrc/paged_decode.cpp` for
 decodes, `csrc/paged_prefill.cpp`, flash-style, for every prefill chunk of the step in one
 call; bfloat16 queries are widened to float32 tiles where bfloat16 tiles do not pay, see
-`bf16_prefill_tiles`). Elsewhere (CUDA, or no C++ compiler) decodes gather their
-blocks into a padded batch and each prefill chunk runs through torch's SDPA.
+`bf16_prefill_tiles`). On CUDA, where triton imports, both run as one Triton kernel over the
+blocks in place (`triton_attention.py`; float16, bfloat16, float32). Elsewhere (float64 on
+CUDA, no triton, no C++ compiler, or `SHOAL_DISABLE_TRITON=1`) decodes gather their blocks into
+a padded batch and each prefill chunk runs through torch's SDPA.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -99,14 +104,19 @@ def paged_attention(
 
     The cache may be narrower than q (bfloat16 KV under float32 activations on the CPU): cached
     keys and values are widened when read. On the CPU both decodes and prefill chunks attend
-    through C++ kernels that read the blocks in place."""
+    through C++ kernels that read the blocks in place, on CUDA through the Triton kernel."""
     out = torch.empty_like(q)
+    gpu = triton_kernels(q, k_cache)
 
     b = meta.num_decodes
     if b:
         assert meta.decode_block_tables is not None and meta.decode_lens is not None
         kernels = cpu_kernels.native() if q.device.type == "cpu" else None
-        if kernels is not None and kernels.decodes(q.dtype, k_cache.dtype):
+        if gpu is not None:
+            gpu.paged_decode(
+                q[:b], k_cache, v_cache, meta.decode_block_tables, meta.decode_lens, out[:b], scale
+            )
+        elif kernels is not None and kernels.decodes(q.dtype, k_cache.dtype):
             kernels.paged_decode(
                 q[:b].contiguous(),
                 k_cache,
@@ -121,7 +131,12 @@ def paged_attention(
 
     if meta.prefills:
         kernels = cpu_kernels.native() if q.device.type == "cpu" else None
-        if (
+        if gpu is not None and meta.prefill_spans is not None and meta.prefill_tables is not None:
+            longest = max(c.q_len for c in meta.prefills)
+            gpu.paged_prefill(
+                q, k_cache, v_cache, meta.prefill_spans, meta.prefill_tables, longest, out, scale
+            )
+        elif (
             kernels is not None
             and meta.prefill_spans is not None
             and meta.prefill_tables is not None
@@ -139,6 +154,26 @@ def paged_attention(
         else:
             _prefill_in_torch(q, k, v, k_cache, v_cache, meta, out, scale)
     return out
+
+
+@functools.cache
+def _triton_module() -> ModuleType | None:
+    """`triton_attention`, imported on first use on a GPU (it needs triton); None without it."""
+    if os.environ.get("SHOAL_DISABLE_TRITON"):
+        return None
+    try:
+        from shoal.layers import triton_attention
+    except ImportError:
+        return None
+    return triton_attention
+
+
+def triton_kernels(q: torch.Tensor, k_cache: torch.Tensor) -> ModuleType | None:
+    """The Triton kernels if they take this step: CUDA tensors of one of their dtypes."""
+    if q.device.type != "cuda" or q.dtype != k_cache.dtype:
+        return None
+    module = _triton_module()
+    return module if module is not None and q.dtype in module.DTYPES else None
 
 
 def bf16_prefill_tiles(kernels: cpu_kernels.CpuKernels, block_size: int) -> bool:

@@ -1,5 +1,5 @@
-"""The two axes every greedy-vs-transformers case runs along (a module opts in with
-`pytestmark = pytest.mark.usefixtures("cpu_path", "speculation")`)."""
+"""The axes every greedy-vs-transformers case runs along (a module opts in with
+`pytestmark = pytest.mark.usefixtures("cpu_path", "speculation", "decode_graphs")`)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,12 @@ def speculation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     verified drafts must change nothing the engine returns."""
     monkeypatch.setattr(greedy_cases, "SPECULATIVE_TOKENS", request.param)
     return int(request.param)
+
+
+@pytest.fixture(params=["eager", "graphs"])
+def decode_graphs(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA every case runs with decode steps replaying CUDA graphs and without them
+    (`enforce_eager`); elsewhere every step is eager."""
+    if request.param == "graphs" and greedy_cases.DEVICE == "cpu":
+        pytest.skip("CUDA graphs need SHOAL_TEST_DEVICE=cuda and a GPU")
+    monkeypatch.setattr(greedy_cases, "ENFORCE_EAGER", request.param == "eager")

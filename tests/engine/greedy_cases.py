@@ -1,7 +1,8 @@
 """What the greedy-vs-transformers tests share: transformers' own greedy continuation (the
 reference), engines on the tiny float64 models, and a loop that feeds requests in at given
-steps. `conftest.py` beside this file runs each case with and without the C++ kernels and with
-and without speculation (`SPECULATIVE_TOKENS`, set per case).
+steps. `conftest.py` beside this file runs each case with and without the C++ kernels, with
+and without speculation (`SPECULATIVE_TOKENS`, set per case) and, on CUDA, with and without
+decode CUDA graphs (`ENFORCE_EAGER`).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ _HF_CACHE: dict[tuple[Path, tuple[int, ...], int], list[int]] = {}
 
 
 SPECULATIVE_TOKENS = 0
+# On CUDA, whether decode steps run eagerly or replay CUDA graphs (set per case).
+ENFORCE_EAGER = True
 
 
 def hf_greedy(hf_model: Any, path: Path, prompt: list[int], n: int) -> list[int]:
@@ -63,11 +66,13 @@ SMALL_KV = 8 << 20
 def make_engine(path: Path, **kw: Any) -> Engine:
     kw.setdefault("kv_cache_bytes", SMALL_KV)
     kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
+    kw.setdefault("enforce_eager", ENFORCE_EAGER)
     return Engine(EngineConfig(model=str(path), dtype="float64", device=DEVICE, **kw))
 
 
 def make_llm(path: Path, **kw: Any) -> LLM:
     kw.setdefault("num_speculative_tokens", SPECULATIVE_TOKENS)
+    kw.setdefault("enforce_eager", ENFORCE_EAGER)
     return LLM(str(path), dtype="float64", kv_cache_bytes=SMALL_KV, device=DEVICE, **kw)
 
 

@@ -23,7 +23,7 @@ from greedy_cases import (
 
 from shoal import SamplingParams
 
-pytestmark = pytest.mark.usefixtures("cpu_path", "speculation")
+pytestmark = pytest.mark.usefixtures("cpu_path", "speculation", "decode_graphs")
 
 
 ALL_KINDS = ["llama", "llama-tied", "llama3-rope", "qwen3", "qwen2", "mistral"]

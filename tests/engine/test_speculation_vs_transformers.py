@@ -19,7 +19,7 @@ from greedy_cases import (
 
 from shoal.outputs import RequestOutput
 
-pytestmark = pytest.mark.usefixtures("cpu_path", "speculation")
+pytestmark = pytest.mark.usefixtures("cpu_path", "speculation", "decode_graphs")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
