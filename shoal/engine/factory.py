@@ -47,7 +47,7 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    loaded = load_model(config.model, config.dtype)
+    loaded = load_model(config.model, config.dtype, config.quantization)
     cfg = loaded.config
     max_model_len = min(
         config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -55,7 +55,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     bytes_per_block = config.block_size * cfg.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
     pool = BlockPool(num_blocks, config.block_size)
-    model = LlamaForCausalLM(cfg, loaded.weights, max_model_len)
+    model = LlamaForCausalLM(cfg, loaded.weights, max_model_len, loaded.dtype)
     runner = ModelRunner(model, num_blocks, config.block_size, config.device)
     layout = KVLayout(
         loaded.fingerprint,

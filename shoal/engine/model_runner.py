@@ -26,11 +26,13 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         cfg = model.config
-        dtype = model.embed_tokens.dtype
+        dtype = model.dtype
         if self.device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_products():
             kernels = cpu_kernels.native()
             if kernels is not None and kernels.has_gemm(dtype):
                 model.use_float32_activations()
+        if model.quantized and dtype in (torch.bfloat16, torch.float16):
+            model.use_float32_activations()  # the integer products take float32 rows
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)

@@ -33,6 +33,8 @@ _SOURCES = (
     "elementwise.cpp",
     "blocks.cpp",
     "argmax.cpp",
+    "quantize.cpp",
+    "qgemm.cpp",
 )
 _COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
 _LINK = ["-shared", "-pthread", "-fopenmp"]
