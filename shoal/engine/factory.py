@@ -24,6 +24,7 @@ from shoal.engine.session_files import KVLayout
 from shoal.engine.session_tier import SessionTier
 from shoal.engine.sessions import SessionManager
 from shoal.engine.structured import Grammars
+from shoal.layers.quantized_linear import ACTIVATIONS
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 from shoal.models.loader import DTYPES, load_model
@@ -56,6 +57,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
     pool = BlockPool(num_blocks, config.block_size)
     model = LlamaForCausalLM(cfg, loaded.weights, max_model_len, loaded.dtype)
+    model.use_activation_levels(ACTIVATIONS[config.quantized_activations])
     runner = ModelRunner(model, num_blocks, config.block_size, config.device)
     layout = KVLayout(
         loaded.fingerprint,

@@ -208,4 +208,5 @@ class Engine:
             grammar_cache_misses=grammars.misses if grammars else 0,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            weight_bytes=self.runner.weight_bytes(),
         )

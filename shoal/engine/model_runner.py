@@ -13,6 +13,7 @@ from shoal.engine.sequence import Sequence
 from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
 from shoal.layers.linear import native_bf16_products
+from shoal.layers.quantized_linear import weight_bytes
 from shoal.models.llama import LlamaForCausalLM
 
 
@@ -37,6 +38,8 @@ class ModelRunner:
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            model.use_fused_decode()
 
     def _tensor(self, values: list[int] | np.ndarray) -> torch.Tensor:
         return torch.as_tensor(np.asarray(values, dtype=np.int64), device=self.device)
@@ -127,6 +130,10 @@ class ModelRunner:
         if drafted:
             verify_drafts(logits[len(seqs) :], drafted, sampled)
         return seqs + drafted, sampled
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of the model's weights by storage format (`/metrics`)."""
+        return weight_bytes(self.model)
 
     # -- KV block moves for sessions (copy on write, the disk tier) ------------------------
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -32,11 +32,11 @@ SIGNATURES: dict[str, list[Any]] = {
     "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
     "argmax_f32": [_P, _I, _I, _I, _P, _I],
     "argmax_bf16": [_P, _I, _I, _I, _P, _I],
-    "quantize_rows_q8": [_P, _I, _I, _I, _P, _P, _I],
+    "quantize_rows": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "qgemm": [_I, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I],
+    "decode_step_f32": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
+    "decode_step_bf16kv": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
 }
-QGEMM = {name: f"qgemm_{name}" for name in ("q4_0", "q4_1", "q8_0")}  # by weight format
-for _name in QGEMM.values():
-    SIGNATURES[_name] = [_P, _P, _I, _I, _P, _I, _P, _I, _P, _I]
 SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 for _s in SUFFIX.values():
     SIGNATURES[f"rms_norm_{_s}"] = [_P, _I, _P, _P, _P, _I, _I, _D, _I]

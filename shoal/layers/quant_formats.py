@@ -49,6 +49,7 @@ FORMATS = {
     "q4_1": QuantFormat("q4_1", nibbles=True, mins=True, bias=0),
     "q8_0": QuantFormat("q8_0", nibbles=False, mins=False, bias=0),
 }
+FORMAT_IDS = {"q4_0": 0, "q4_1": 1, "q8_0": 2}  # csrc/quant_blocks.h's Fmt
 
 
 @dataclass(slots=True)

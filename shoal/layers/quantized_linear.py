@@ -20,11 +20,21 @@ from shoal.layers.quant_formats import QuantizedWeight, can_fuse
 Weight = torch.Tensor | QuantizedWeight
 
 
+# `quantized_activations` -> int8 levels per activation value (`csrc/qtile.h`).
+ACTIVATIONS = {"int16": 2, "int8": 1}
+
+
 class QuantizedLinear(nn.Module):
+    """`levels`: float32 rows are quantized in blocks of 32 to one int8 level per value
+    (llama.cpp's activations: faster where products are compute-bound, at large batches, and
+    about 1% off on models with outlier features) or two (the default: the rounding residual
+    too, about int16's precision, products within ~4e-5 of float). See `csrc/qtile.h`."""
+
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
         self.qweight = weight
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self.levels = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.qweight
@@ -35,7 +45,7 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, w.k)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        q, blocks = quant_kernels.quantize_rows(kernels, rows)
+        q, blocks = quant_kernels.quantize_rows(kernels, rows, self.levels)
         out = quant_kernels.qgemm(kernels, q, blocks, w, self.bias)
         return out.view(*x.shape[:-1], w.n)
 

@@ -25,9 +25,11 @@ from torch import nn
 from shoal.layers.attention import AttentionMetadata, paged_attention, rope_and_store
 from shoal.layers.norm import RMSNorm
 from shoal.layers.quant_formats import QuantizedWeight
-from shoal.layers.quantized_linear import Weight, projection
+from shoal.layers.quantized_linear import QuantizedLinear, Weight, projection
 from shoal.layers.rotary import Rope, RotaryEmbedding
+from shoal.models import fused_decode
 from shoal.models.config import ModelConfig
+from shoal.models.fused_decode import FusedDecode
 
 Weights = dict[str, Weight]
 
@@ -144,6 +146,8 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
         self.act_dtype = dtype
         self.quantized = any(isinstance(v, QuantizedWeight) for v in weights.values())
+        self.fused: FusedDecode | None = None  # set by `use_fused_decode`
+        self.activation_levels = 2  # int8 levels per quantized activation
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
             raise ValueError(f"unexpected weights: {sorted(w)[:5]}")
@@ -157,6 +161,9 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed(input_ids)
+        if self.fused is not None and not meta.prefills and meta.num_decodes == x.shape[0]:
+            self.fused(x, positions, meta)
+            return x
         rope = Rope(self.rotary, positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
@@ -168,6 +175,19 @@ class LlamaForCausalLM(nn.Module):
             return self.embed_blocks.rows(input_ids.cpu(), self.act_dtype).to(input_ids.device)
         assert self.embed_tokens is not None
         return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+
+    def use_activation_levels(self, levels: int) -> None:
+        """int8 levels per value (1 or 2) quantized products quantize their rows to."""
+        self.activation_levels = levels
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.levels = levels
+
+    def use_fused_decode(self) -> bool:
+        """Run decode-only steps through one C++ call where this model allows it (once its KV
+        caches and activation dtype are set); returns whether it does."""
+        self.fused = FusedDecode(self) if fused_decode.supported(self) else None
+        return self.fused is not None
 
     def use_float32_activations(self) -> None:
         """Keep the projection weights (and the embedding) as they are; run the rest in fp32."""
