@@ -25,6 +25,7 @@ SIGNATURES: dict[str, list[Any]] = {
     "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
     "gemm_f32": _GEMM_ARGS,
     "gemm_bf16w": _GEMM_ARGS,
+    "gemm_quant": [_P, _I, _I, _I, _I, _P, _I, _P, _I, _P, _I],
     "gemm512_f32": _GEMM512_ARGS,
     "gemm512_bf16": _GEMM512_ARGS,
     "rope_store_f32_bf16kv": _ROPE_ARGS,

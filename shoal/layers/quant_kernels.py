@@ -80,3 +80,28 @@ def qgemm(
         torch.get_num_threads(),
     )
     return out
+
+
+def dequantizing_gemm(
+    kernels: CpuKernels, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """`x @ W.T (+ bias)` for float32 rows through the float32 kernel, the weight dequantized
+    a panel of 16 columns at a time (`csrc/dequant_panel.h`; AVX2 builds, `has_gemm`)."""
+    assert x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    assert bias is None or (bias.dtype == torch.float32 and bias.is_contiguous())
+    m, k = x.shape
+    out = _product_out(m, weight.n, torch.float32)
+    kernels.lib.gemm_quant(
+        x.data_ptr(),
+        m,
+        k,
+        x.stride(0),
+        FORMAT_IDS[weight.fmt.name],
+        weight.data.data_ptr(),
+        weight.n,
+        out.data_ptr(),
+        out.stride(0),
+        None if bias is None else bias.data_ptr(),
+        torch.get_num_threads(),
+    )
+    return out

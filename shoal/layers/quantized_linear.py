@@ -3,8 +3,10 @@ model quantized to Q8_0 at load), and the choice between those and float `Linear
 
 On the CPU a product quantizes its float32 rows to int8 blocks and multiplies them with the
 blocks in C++ (`quant_kernels`): at batch 1 it reads a quarter (Q4) to a half (Q8_0) of
-bfloat16's bytes, the limit of a decode step. Where the kernels cannot be built (or for other
-activation dtypes) the weight is dequantized for the call, slow but exact to its blocks.
+bfloat16's bytes, the limit of a decode step. Large products (prefill) of the default
+precision run the float32 kernel over the weight dequantized a panel at a time instead. Where
+the kernels cannot be built (or for other activation dtypes) the weight is dequantized for the
+call, slow but exact to its blocks.
 """
 
 from __future__ import annotations
@@ -22,6 +24,10 @@ Weight = torch.Tensor | QuantizedWeight
 
 # `quantized_activations` -> int8 levels per activation value (`csrc/qtile.h`).
 ACTIVATIONS = {"int16": 2, "int8": 1}
+# From this many rows (prefill), two-level products run as float32 products over the weight
+# dequantized a panel at a time: as fast as float32 weights from 32 rows on a Zen 3 core, where
+# two levels ran at 0.6-0.9x of it (`benchmarks/small_batch.py` measures the whole model).
+DEQUANTIZED_ROWS = 32
 
 
 class QuantizedLinear(nn.Module):
@@ -45,8 +51,11 @@ class QuantizedLinear(nn.Module):
         rows = x.reshape(-1, w.k)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
-        q, blocks = quant_kernels.quantize_rows(kernels, rows, self.levels)
-        out = quant_kernels.qgemm(kernels, q, blocks, w, self.bias)
+        if self.levels == 2 and rows.shape[0] >= DEQUANTIZED_ROWS and kernels.has_gemm(x.dtype):
+            out = quant_kernels.dequantizing_gemm(kernels, rows, w, self.bias)
+        else:
+            q, blocks = quant_kernels.quantize_rows(kernels, rows, self.levels)
+            out = quant_kernels.qgemm(kernels, q, blocks, w, self.bias)
         return out.view(*x.shape[:-1], w.n)
 
 

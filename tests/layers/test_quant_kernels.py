@@ -118,3 +118,20 @@ def test_products_match_float64_of_the_dequantized_operands(
     # one level (more in the outlier's row), 1e-4 with two.
     bound = 2e-2 if levels == 1 else 1e-4
     assert (out.double() - (x.double() @ w.T + bias.double())).abs().max() <= bound * scale
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_dequantizing_gemm_matches_float64_of_the_dequantized_weight(
+    kernels: CpuKernels, name: str
+) -> None:
+    """Prefill's path: float32 rows against the weight dequantized a panel (two groups) at a
+    time; 37 columns leave a partial panel and a missing group."""
+    if not kernels.has_gemm(torch.float32):
+        pytest.skip("the float32 kernel is in AVX2 builds")
+    torch.manual_seed(1)
+    weight = quantize(torch.randn(37, 96), FORMATS[name])
+    x, bias = torch.randn(40, 96), torch.randn(37)
+    out = quant_kernels.dequantizing_gemm(kernels, x, weight, bias)
+    w = weight.dequantize(torch.float64)
+    expected = x.double() @ w.T + bias.double()
+    assert (out.double() - expected).abs().max() <= 1e-5 * (x.double().abs() @ w.abs().T).max()

@@ -1,21 +1,24 @@
 // Every decoder layer of one decode step of a Llama-family model with quantized projections,
 // in one call: at batch 1 the layer's work is a few dozen microseconds of products, and the
 // per-op path paid more than that again in Python dispatch and thread wake-ups (nine calls a
-// layer, each its own OpenMP region). Here one parallel region runs all layers; threads split
-// each phase and meet at a barrier before the next:
+// layer, each its own OpenMP region). Here one parallel region runs all layers, five barriers
+// a layer (|):
 //
-//   rows    residual += x; h = rmsnorm(residual) * w; h -> int8 blocks
-//   groups  qkv = h . Wqkv (+ bias)                      (8-row groups of W per thread)
-//   heads   per (sequence, kv head): rotate q and k, store k and v in the cache, attend,
-//           the heads' output -> int8 blocks
-//   groups  x = attn . Wo
-//   rows    residual += x; h = rmsnorm(residual) * w; h -> int8 blocks
-//   groups  gate_up = h . Wgu
-//   rows    silu(gate) * up -> int8 blocks
-//   groups  x = act . Wdown
+//   every row, each thread   residual += x; rmsnorm(residual) * w -> activation blocks
+//   groups of 8 rows of W    qkv = h . Wqkv (+ bias)                                      |
+//   (sequence, kv head)      rotate q and k, store k and v in the cache, attend, the
+//                            heads' output -> activation blocks                           |
+//   groups                   x = attn . Wo                                                |
+//   every row, each thread   residual += x; rmsnorm(residual) * w -> activation blocks
+//   groups                   gate_up = h . Wgu                                            |
+//   every row, each thread   silu(gate) * up -> activation blocks
+//   groups                   x = act . Wdown                                              |
 //
-// and at the end hidden = x + residual. The arithmetic is the per-op path's (elementwise.cpp,
-// paged_decode.cpp, qgemm.cpp), so the two give the same tokens.
+// Each thread computes the element-wise rows itself (identically), so the products after them
+// need no barrier; at small batches that is a few thousand values. At the end hidden = x +
+// residual. The arithmetic is the per-op path's (row_ops.h, paged_decode.cpp, qgemm.cpp), so
+// the two agree but for a rounding (a sum in another order can round an activation the other
+// way).
 
 #include <omp.h>
 
@@ -88,29 +91,32 @@ void decode_step(const Layer* layers, const Dims& d, float* x, int64_t batch,
   const int64_t q_width = d.heads * dim, qkv_width = (d.heads + 2 * d.kv_heads) * dim;
   const float scale = 1.0f / std::sqrt(float(dim));
   const auto attend = shoal::decode_attend<KV>(dim);
-  std::vector<float> residual(batch * h), qkv(batch * qkv_width), attn(batch * q_width),
-      gate_up(batch * 2 * d.inter);
-  Quantized act(int(d.levels), batch, std::max({h, q_width, d.inter}));
+  std::vector<float> qkv(batch * qkv_width), attn(batch * q_width), gate_up(batch * 2 * d.inter);
+  Quantized heads(int(d.levels), batch, q_width);  // the attention's output, o's input
   const int threads = int(std::max<int64_t>(1, num_threads));
 
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    std::vector<float> scratch(std::max(h, d.inter)), scores, acc;
-    auto product = [&](const QWeight& w, float* out, int64_t ldc, const float* bias) {
+    // Each thread keeps the residual and the other products' inputs itself, computing every
+    // row (a few thousand values at small batches): no barrier before those products.
+    std::vector<float> residual(batch * h), scratch(std::max(h, d.inter)), scores, acc;
+    Quantized mine(int(d.levels), batch, std::max(h, d.inter));
+    auto product = [&](const Quantized& in, const QWeight& w, float* out, int64_t ldc,
+                       const float* bias) {
       const int64_t groups = (w.n + kRows - 1) / kRows;
-      shoal::quant::qgemm_groups(Fmt(w.fmt), act.levels, act.q.data(), act.blocks.data(), batch,
+      shoal::quant::qgemm_groups(Fmt(w.fmt), in.levels, in.q.data(), in.blocks.data(), batch,
                                  w.k, w.data, w.n, out, ldc, bias, groups * t / nt,
                                  groups * (t + 1) / nt);
     };
+    auto norms = [&](const float* w, bool first) {
+      for (int64_t b = 0; b < batch; ++b)
+        norm_row(x + b * h, residual.data() + b * h, first, w, h, d.eps, scratch.data(), mine, b);
+    };
     for (int64_t l = 0; l < d.layers; ++l) {
       const Layer& L = layers[l];
-      for (int64_t b = t; b < batch; b += nt) {
-        norm_row(x + b * h, residual.data() + b * h, l == 0, L.input_norm, h, d.eps,
-                 scratch.data(), act, b);
-      }
-#pragma omp barrier
-      product(L.qkv, qkv.data(), qkv_width, L.qkv_bias);
+      norms(L.input_norm, l == 0);
+      product(mine, L.qkv, qkv.data(), qkv_width, L.qkv_bias);
 #pragma omp barrier
       for (int64_t u = t; u < batch * d.kv_heads; u += nt) {
         const int64_t b = u / d.kv_heads, g = u % d.kv_heads;
@@ -134,26 +140,21 @@ void decode_step(const Layer* layers, const Dims& d, float* x, int64_t batch,
         attend(row + g * group * dim, kc + g * dim, vc + g * dim, tables + b * d.max_blocks,
                lens[b], out, one, scale, scores, acc);
         // The group's heads are whole blocks of the row (group * dim is a multiple of 32).
-        act.set(b, q_width, out, g * group * dim, group * dim);
+        heads.set(b, q_width, out, g * group * dim, group * dim);
       }
 #pragma omp barrier
-      product(L.o, x, h, nullptr);
+      product(heads, L.o, x, h, nullptr);
 #pragma omp barrier
-      for (int64_t b = t; b < batch; b += nt) {
-        norm_row(x + b * h, residual.data() + b * h, false, L.post_norm, h, d.eps,
-                 scratch.data(), act, b);
-      }
+      norms(L.post_norm, false);
+      product(mine, L.gate_up, gate_up.data(), 2 * d.inter, nullptr);
 #pragma omp barrier
-      product(L.gate_up, gate_up.data(), 2 * d.inter, nullptr);
-#pragma omp barrier
-      for (int64_t b = t; b < batch; b += nt) {
+      for (int64_t b = 0; b < batch; ++b) {
         const float* g = gate_up.data() + b * 2 * d.inter;
         for (int64_t i = 0; i < d.inter; ++i)
           scratch[i] = shoal::silu_times<float>(g[i], g[d.inter + i]);
-        act.set(b, d.inter, scratch.data(), 0, d.inter);
+        mine.set(b, d.inter, scratch.data(), 0, d.inter);
       }
-#pragma omp barrier
-      product(L.down, x, h, nullptr);
+      product(mine, L.down, x, h, nullptr);
 #pragma omp barrier
     }
     for (int64_t b = t; b < batch; b += nt)
