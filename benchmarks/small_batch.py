@@ -29,10 +29,10 @@ import argparse
 import json
 import os
 import random
-import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +47,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_FILES = "smollm2-Q4_1,smollm2-Q4_0,smollm2-Q8_0,random1b-Q4_0"
 
 
-def _rss_mib() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+def _status_mib(field: str, pid: int | str = "self") -> float:
+    """A memory line of /proc/<pid>/status (VmRSS: resident now, VmHWM: its peak), MiB. (Not
+    ru_maxrss, which a child inherits from the process that forked it.)"""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return 0.0
 
@@ -113,7 +115,8 @@ def shoal_worker(args: argparse.Namespace) -> None:
     from shoal import LLM
 
     batches = [int(b) for b in args.batches.split(",")]
-    before = _rss_mib()
+    torch.set_num_threads(args.threads)
+    before = _status_mib("VmRSS")
     llm = LLM(
         args.model,
         quantization="gguf",
@@ -126,7 +129,7 @@ def shoal_worker(args: argparse.Namespace) -> None:
         num_blocks=max(batches) * -(-(args.prompt + args.tokens + 16) // 16) + 8,
     )
     _batch(llm, 1, 16, 4, seed=1)  # warm-up: kernels, first-call allocations
-    loaded = _rss_mib()
+    loaded = _status_mib("VmRSS")
     kv_size = torch.tensor([], dtype=getattr(torch, args.kv)).element_size()
     result: dict[str, Any] = {
         "rss_loaded_mib": loaded - before,
@@ -139,13 +142,13 @@ def shoal_worker(args: argparse.Namespace) -> None:
         result["fused_share"] = _fused_share(llm, args.prompt, args.tokens)
         llm.engine.runner.model.fused = None
         result["per_op_decode"] = _batch(llm, 1, args.prompt, args.tokens, seed=1)["decode"]
-    result["rss_peak_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    result["rss_peak_mib"] = _status_mib("VmHWM")
     print(json.dumps(result))
 
 
 def run_shoal(args: argparse.Namespace, model: Path) -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--worker", "--model", str(model)]
-    for name in ("batches", "prompt", "tokens", "activations", "kv"):
+    for name in ("batches", "prompt", "tokens", "activations", "kv", "threads"):
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{REPO / 'benchmarks'}"}
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
@@ -154,7 +157,7 @@ def run_shoal(args: argparse.Namespace, model: Path) -> dict[str, Any]:
 
 def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str, Any]:
     batches = [int(b) for b in args.batches.split(",")]
-    threads = torch.get_num_threads()
+    threads = args.threads
     cmd = [
         str(root / "build" / "bin" / "llama-batched-bench"),
         *("-m", str(model)),
@@ -163,12 +166,19 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
         *("-t", str(threads), "-tb", str(threads)),
         *("-fa", "on", "-no-kvu"),
     ]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    assert proc.stdout is not None
-    text = proc.stdout.read()
-    _, status, usage = os.wait4(proc.pid, 0)
-    if status:
-        raise RuntimeError(f"llama-batched-bench failed ({status}): {' '.join(cmd)}")
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        peak = 0.0
+        while proc.poll() is None:  # the peak so far, until it exits
+            try:
+                peak = max(peak, _status_mib("VmHWM", proc.pid))
+            except OSError:
+                break
+            time.sleep(0.2)
+        if proc.wait():
+            raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}): {cmd}")
+        out.seek(0)
+        text = out.read()
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("|")]
     per_batch = {}
@@ -180,7 +190,7 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
                 "ttft": float(cells[4]),
                 "decode": float(cells[7]),
             }
-    return {"batches": per_batch, "rss_peak_mib": usage.ru_maxrss / 1024, "command": cmd}
+    return {"batches": per_batch, "rss_peak_mib": peak, "command": cmd}
 
 
 def read_bandwidth() -> float:
@@ -191,7 +201,8 @@ def read_bandwidth() -> float:
         t = time.perf_counter()
         x.sum()
         best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best / 1e9
+    del x
+    return (1 << 30) / best / 1e9
 
 
 def _median(runs: list[dict[str, Any]], *keys: str) -> float:
@@ -259,12 +270,14 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--activations", choices=["int16", "int8"], default="int16")
     ap.add_argument("--kv", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         shoal_worker(args)
         return
+    torch.set_num_threads(args.threads)
     root = llamacpp_peer.setup(REPO)
     files = gguf_files.files(root, args.files.split(","))
     bandwidth = read_bandwidth()
@@ -278,8 +291,7 @@ def main() -> None:
     lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout.splitlines()
     print("\n" + next((line for line in lscpu if line.startswith("Model name")), "lscpu: ?"))
     print(f"CPU: {cpu_info().describe()}")
-    threads = torch.get_num_threads()
-    print(f"threads: {threads} (torch; llama.cpp -t/-tb {threads}); read {bandwidth:.1f} GB/s")
+    print(f"threads: {args.threads} (torch; llama.cpp -t/-tb the same); read {bandwidth:.1f} GB/s")
     command = " ".join(peer[next(iter(files))][0]["command"][1:])
     print(f"shoal: quantization='gguf', {args.activations} activations, {args.kv} KV cache")
     print(f"llama.cpp {root.name}: {command}")

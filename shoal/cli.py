@@ -28,6 +28,18 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default=d.dtype, choices=("float32", "bfloat16", "float16", "float64")
     )
+    p.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=("gguf", "int8"),
+        help="keep weights quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks, or int8 (Q8_0) at load",
+    )
+    p.add_argument(
+        "--quantized-activations",
+        default=d.quantized_activations,
+        choices=("int16", "int8"),
+        help="precision of quantized products' activations (int8: llama.cpp's, faster, ~1%% off)",
+    )
     p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="running requests")
     p.add_argument(
@@ -62,6 +74,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         model=args.model,
         backend=args.backend,
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantized_activations=args.quantized_activations,
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

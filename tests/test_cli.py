@@ -130,3 +130,19 @@ def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, mon
     assert main([*args, "--num-speculative-tokens", "3"]) == 0
     assert made[0].engine.config.num_speculative_tokens == 3
     assert json.loads(capsys.readouterr().out)["text"] == plain["text"]
+
+
+def test_quantization_flags_reach_the_engine(tiny_tok, monkeypatch, capsys):
+    made: list[Any] = []
+    original = shoal.llm.LLM
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        made.append(original(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(shoal.llm, "LLM", spy)
+    args = ["generate", "w5 w6", "--model", str(tiny_tok), "--raw", "--max-tokens", "2"]
+    assert main([*args, "--quantization", "int8", "--quantized-activations", "int8"]) == 0
+    config, model = made[0].engine.config, made[0].engine.runner.model
+    assert (config.quantization, config.quantized_activations) == ("int8", "int8")
+    assert model.quantized and model.activation_levels == 1
