@@ -51,13 +51,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threads: int) -> PeerRun:
+def float_gguf(root: Path, dtype: str) -> Path:
+    """The bundled model dequantized by `setup_llamacpp.sh` into `dtype`'s GGUF type."""
+    return root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf"
+
+
+def run(
+    root: Path, model: Path, prompts: list[list[int]], max_tokens: int, threads: int
+) -> PeerRun:
     port = _free_port()
     ctx_per_slot = max(len(p) for p in prompts) + max_tokens + 16
     slots = len(prompts)
     cmd = [
         str(root / "build" / "bin" / "llama-server"),
-        *("-m", str(root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf")),
+        *("-m", str(model)),
         *("--host", "127.0.0.1", "--port", str(port)),
         *("-np", str(slots), "-c", str(slots * ctx_per_slot)),
         *("-t", str(threads), "-tb", str(threads)),
@@ -100,13 +107,13 @@ def run(root: Path, dtype: str, prompts: list[list[int]], max_tokens: int, threa
 
 
 def batched_bench(
-    root: Path, dtype: str, prompt_len: int, max_tokens: int, parallel: int, threads: int
+    root: Path, model: Path, prompt_len: int, max_tokens: int, parallel: int, threads: int
 ) -> PeerRun:
     """`llama-batched-bench` with flash attention and one KV stream per sequence (the fastest
     of flash attention on/off x unified KV on/off on this CPU); no outputs to compare."""
     cmd = [
         str(root / "build" / "bin" / "llama-batched-bench"),
-        *("-m", str(root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf")),
+        *("-m", str(model)),
         *("-c", str(parallel * (prompt_len + max_tokens + 16))),
         *("-npp", str(prompt_len), "-ntg", str(max_tokens), "-npl", str(parallel)),
         *("-t", str(threads), "-tb", str(threads)),

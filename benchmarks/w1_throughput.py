@@ -120,13 +120,14 @@ def main() -> None:
     rates["shoal"], outputs["shoal"] = shoal_rate, shoal_out
     print(f"shoal: {shoal_rate:.1f} output tokens/s", flush=True)  # each as it ends
     if root is not None:
-        peer = llamacpp_peer.run(root, args.dtype, work.prompts, work.max_tokens, threads)
+        gguf = llamacpp_peer.float_gguf(root, args.dtype)
+        peer = llamacpp_peer.run(root, gguf, work.prompts, work.max_tokens, threads)
         rates["llama.cpp"], outputs["llama.cpp"] = peer.rate, peer.outputs
         print(f"llama.cpp {root.name}: {' '.join(peer.command[1:])}")
         print(f"llama.cpp: {peer.rate:.1f} output tokens/s", flush=True)
         mean_len = round(sum(map(len, work.prompts)) / len(work.prompts))
         bench = llamacpp_peer.batched_bench(
-            root, args.dtype, mean_len, work.max_tokens, len(work.prompts), threads
+            root, gguf, mean_len, work.max_tokens, len(work.prompts), threads
         )
         rates["llama.cpp bench"] = bench.rate
         print(f"llama.cpp bench: {' '.join(bench.command[1:])}")

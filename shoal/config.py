@@ -38,6 +38,14 @@ class EngineConfig:
     model: str | None = None
     backend: str = "torch"
     dtype: str = "float32"
+    # Weights kept quantized in memory (`models/loader.py`): "gguf" keeps a GGUF's Q4_0, Q4_1
+    # and Q8_0 blocks, "int8" quantizes to Q8_0 blocks at load; activations then run in
+    # float32 and the KV cache in `dtype`. CPU only. Products quantize their float32 rows to
+    # `quantized_activations` blocks of 32: "int16" precision (two int8 levels, within about
+    # 4e-5 of float) or "int8" (llama.cpp's, faster at large batches, about 1% off where a
+    # model has outlier features; `layers/csrc/qtile.h`).
+    quantization: str | None = None
+    quantized_activations: str = "int16"
     device: str = "cpu"
     block_size: int = 16
     kv_cache_bytes: int = 2 * GiB
@@ -105,6 +113,17 @@ class EngineConfig:
             raise InvalidRequestError("host_kv_bytes and disk_kv_bytes must be >= 0")
         if self.dtype not in ("float32", "float64", "float16", "bfloat16"):
             raise InvalidRequestError(f"unsupported dtype {self.dtype!r}")
+        if self.quantization not in (None, "gguf", "int8"):
+            raise InvalidRequestError(
+                f'quantization must be "gguf", "int8" or None, got {self.quantization!r}'
+            )
+        if self.quantized_activations not in ("int16", "int8"):
+            got = self.quantized_activations
+            raise InvalidRequestError(
+                f'quantized_activations must be "int16" or "int8", got {got!r}'
+            )
+        if self.quantization is not None and (self.backend != "torch" or self.device != "cpu"):
+            raise InvalidRequestError("quantization needs the torch backend on the CPU")
         if self.num_speculative_tokens < 0:
             raise InvalidRequestError("num_speculative_tokens must be >= 0")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

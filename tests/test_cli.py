@@ -203,3 +203,19 @@ def test_every_option_is_explained_and_in_the_reference():
             assert action.help, f"{' '.join(path)} {action.option_strings[-1]} has no help"
             assert f"`{action.option_strings[-1]}" in page, action.option_strings
     assert "| `--port N` | `8000` | port to listen on |" in page
+
+
+def test_quantization_flags_reach_the_engine(tiny_tok, monkeypatch, capsys):
+    made: list[Any] = []
+    original = shoal.llm.LLM
+
+    def spy(*a: Any, **kw: Any) -> Any:
+        made.append(original(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(shoal.llm, "LLM", spy)
+    args = ["generate", "w5 w6", "--model", str(tiny_tok), "--raw", "--max-tokens", "2"]
+    assert main([*args, "--quantization", "int8", "--quantized-activations", "int8"]) == 0
+    config, model = made[0].engine.config, made[0].engine.runner.model
+    assert (config.quantization, config.quantized_activations) == ("int8", "int8")
+    assert model.quantized and model.activation_levels == 1

@@ -32,6 +32,18 @@ def engine_arguments(p: argparse.ArgumentParser, backend: bool = True) -> None:
         help="weights and KV cache (on a CPU, bfloat16 keeps float32 activations)",
     )
     model.add_argument(
+        "--quantization",
+        default=d.quantization,
+        choices=("gguf", "int8"),
+        help="keep weights quantized: a GGUF's Q4_0/Q4_1/Q8_0 blocks, or int8 (Q8_0) at load",
+    )
+    model.add_argument(
+        "--quantized-activations",
+        default=d.quantized_activations,
+        choices=("int16", "int8"),
+        help="precision of quantized products' activations (int8: llama.cpp's, faster, ~1%% off)",
+    )
+    model.add_argument(
         "--max-model-len",
         type=int,
         metavar="N",
@@ -166,6 +178,8 @@ def engine_config(args: argparse.Namespace, **extra: object) -> EngineConfig:
         model=args.model,
         backend=getattr(args, "backend", EngineConfig().backend),
         dtype=args.dtype,
+        quantization=args.quantization,
+        quantized_activations=args.quantized_activations,
         device=args.device,
         enforce_eager=args.enforce_eager,
         cuda_graph_sizes=tuple(args.cuda_graph_sizes) if args.cuda_graph_sizes else None,

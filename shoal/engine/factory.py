@@ -24,6 +24,7 @@ from shoal.engine.output_processor import OutputProcessor
 from shoal.engine.scheduler import Scheduler
 from shoal.engine.sessions import SessionManager
 from shoal.engine.structured import Grammars
+from shoal.layers.quantized_linear import ACTIVATIONS
 from shoal.models.config import ModelConfig
 from shoal.models.llama import LlamaForCausalLM
 from shoal.models.loader import DTYPES, load_model
@@ -48,7 +49,7 @@ class EngineParts:
 
 
 def build_engine_parts(config: EngineConfig) -> EngineParts:
-    loaded = load_model(config.model, config.dtype)
+    loaded = load_model(config.model, config.dtype, config.quantization)
     cfg = loaded.config
     max_model_len = min(
         config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings
@@ -56,7 +57,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     bytes_per_block = config.block_size * cfg.kv_bytes_per_token(DTYPES[config.dtype].itemsize)
     num_blocks = config.num_blocks or max(1, config.kv_cache_bytes // bytes_per_block)
     pool = BlockPool(num_blocks, config.block_size)
-    model = LlamaForCausalLM(cfg, loaded.weights, max_model_len)
+    model = LlamaForCausalLM(cfg, loaded.weights, max_model_len, loaded.dtype)
+    model.use_activation_levels(ACTIVATIONS[config.quantized_activations])
     graphs = None
     if torch.device(config.device).type == "cuda" and not config.enforce_eager:
         graphs = graph_sizes(config.max_num_seqs, config.cuda_graph_sizes)

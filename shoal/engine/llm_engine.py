@@ -225,4 +225,5 @@ class Engine:
             grammars=self.inputs.grammars,
             spec_draft_tokens=self.num_draft_tokens,
             spec_accepted_tokens=self.num_accepted_tokens,
+            weight_bytes=self.runner.weight_bytes(),
         )

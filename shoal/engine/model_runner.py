@@ -15,6 +15,7 @@ from shoal.engine.step_layout import StepLayout, lay_out
 from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata, PrefillChunk
 from shoal.layers.linear import native_bf16_products
+from shoal.layers.quantized_linear import weight_bytes
 from shoal.models.llama import LlamaForCausalLM
 
 
@@ -38,17 +39,21 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         cfg = model.config
-        dtype = model.embed_tokens.dtype
+        dtype = model.dtype
         if self.device.type == "cpu" and dtype == torch.bfloat16 and not native_bf16_products():
             kernels = cpu_kernels.native()
             if kernels is not None and kernels.has_gemm(dtype):
                 model.use_float32_activations()
+        if model.quantized and dtype in (torch.bfloat16, torch.float16):
+            model.use_float32_activations()  # the integer products take float32 rows
         graphs = bool(graph_sizes) and self.device.type == "cuda"
         pad_blocks = 1 if graphs else 0
         shape = (num_blocks + pad_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
         for attn in model.attention_layers:
             attn.k_cache = torch.zeros(shape, dtype=dtype, device=self.device)
             attn.v_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cpu":
+            model.use_fused_decode()
         self.graphs: DecodeGraphs | None = None
         if graphs and graph_sizes:
             max_len = max_model_len or model.rotary.cos.shape[0]
@@ -111,6 +116,10 @@ class ModelRunner:
         if drafted:
             verify_drafts(logits[len(seqs) :], drafted, sampled)
         return seqs + drafted, sampled
+
+    def weight_bytes(self) -> dict[str, int]:
+        """Resident bytes of the model's weights by storage format (`/metrics`)."""
+        return weight_bytes(self.model)
 
     # -- KV block moves for sessions (copy on write, the disk tier) ------------------------
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

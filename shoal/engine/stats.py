@@ -21,6 +21,12 @@ def _stat(kind: Kind, doc: str, metric: str | None = None, default: Any = 0) -> 
     return field(default=default, metadata={"kind": kind, "doc": doc, "metric": metric})
 
 
+def _by_label(doc: str, metric: str, label: str) -> dict[str, Any]:
+    """The metadata of a gauge per value of `label` (the field is a dict from label value to
+    level)."""
+    return {"kind": "gauge", "doc": doc, "metric": metric, "label": label}
+
+
 @dataclass(slots=True)
 class EngineStats:
     step_id: int = _stat("counter", "Engine steps run.", "engine_steps")
@@ -81,6 +87,14 @@ class EngineStats:
     grammar_compiles_pending: int = _stat("gauge", "Grammar compiles queued or running.")
     spec_draft_tokens: int = _stat("counter", "Draft tokens proposed by prompt lookup.")
     spec_accepted_tokens: int = _stat("counter", "Draft tokens the model agreed with and kept.")
+    weight_bytes: dict[str, int] = field(
+        default_factory=dict,
+        metadata=_by_label(
+            "Resident bytes of the model's weights, by storage format.",
+            "model_weight_bytes",
+            "format",
+        ),
+    )
 
     @classmethod
     def collect(
@@ -97,6 +111,7 @@ class EngineStats:
         grammars: Any = None,
         spec_draft_tokens: int = 0,
         spec_accepted_tokens: int = 0,
+        weight_bytes: dict[str, int] | None = None,
     ) -> EngineStats:
         """The snapshot of any backend: its own counters plus what the shared pool, KV manager
         and session manager know, read the same way for each."""
@@ -126,6 +141,7 @@ class EngineStats:
             **_grammar_stats(grammars),
             spec_draft_tokens=spec_draft_tokens,
             spec_accepted_tokens=spec_accepted_tokens,
+            weight_bytes=weight_bytes or {},
         )
 
 

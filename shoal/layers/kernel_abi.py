@@ -25,6 +25,7 @@ SIGNATURES: dict[str, list[Any]] = {
     "paged_prefill_f32_bf16kv": _PREFILL_ARGS,
     "gemm_f32": _GEMM_ARGS,
     "gemm_bf16w": _GEMM_ARGS,
+    "gemm_quant": [_P, _I, _I, _I, _I, _P, _I, _P, _I, _P, _I],
     "gemm512_f32": _GEMM512_ARGS,
     "gemm512_bf16": _GEMM512_ARGS,
     "rope_store_f32_bf16kv": _ROPE_ARGS,
@@ -32,6 +33,10 @@ SIGNATURES: dict[str, list[Any]] = {
     "gather_blocks": [_P, _P, _I, _P, _I, _I, _I],
     "argmax_f32": [_P, _I, _I, _I, _P, _I],
     "argmax_bf16": [_P, _I, _I, _I, _P, _I],
+    "quantize_rows": [_P, _I, _I, _I, _I, _P, _P, _I],
+    "qgemm": [_I, _I, _P, _P, _I, _I, _P, _I, _P, _I, _P, _I],
+    "decode_step_f32": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
+    "decode_step_bf16kv": [_P, _P, _P, _I, _P, _P, _P, _P, _P, _P, _I],
 }
 SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}
 for _s in SUFFIX.values():

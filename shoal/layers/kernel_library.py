@@ -33,6 +33,9 @@ _SOURCES = (
     "elementwise.cpp",
     "blocks.cpp",
     "argmax.cpp",
+    "quantize.cpp",
+    "qgemm.cpp",
+    "decode_step.cpp",
 )
 _COMPILE = ["-O3", "-ffast-math", "-fopenmp", "-std=c++17", "-fPIC", "-c"]
 _LINK = ["-shared", "-pthread", "-fopenmp"]
@@ -43,7 +46,7 @@ def _build(cxx: str, march: str, lib_path: Path) -> None:
     with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
         objs = [str(Path(tmp) / f"{Path(src).stem}.o") for src in _SOURCES]
         for src, obj in zip(_SOURCES, objs, strict=True):
-            cmd = [cxx, *_COMPILE, f"-march={march}", str(_CSRC / src), "-o", obj]
+            cmd = [cxx, *_COMPILE, *target_flags(march), str(_CSRC / src), "-o", obj]
             subprocess.run(cmd, check=True, capture_output=True)
         built = Path(tmp) / "kernels.so"
         subprocess.run([cxx, *_LINK, *objs, "-o", str(built)], check=True, capture_output=True)
@@ -55,9 +58,16 @@ def compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++")) or shutil.which("c++")
 
 
+def target_flags(march: str) -> list[str]:
+    """`-march=` and `-m` flags of a target: "x86-64-v3", or with extensions "x86-64-v3+avxvnni"
+    (the tests build each integer dot-product path this way)."""
+    arch, *extensions = march.split("+")
+    return [f"-march={arch}", *(f"-m{e}" for e in extensions)]
+
+
 def compiled(march: str) -> Path | None:
-    """The library built for `-march=<march>` (built now if not cached), or None without a
-    working compiler."""
+    """The library built for `target_flags(march)` (built now if not cached), or None without
+    a working compiler."""
     cxx = compiler()
     if cxx is None:
         log.warning("no C++ compiler found: using the slower pure-torch kernels")

@@ -23,16 +23,24 @@ import torch.nn.functional as F
 from torch import nn
 
 from shoal.layers.attention import AttentionMetadata, paged_attention, rope_and_store
-from shoal.layers.linear import GateUpProjection, Linear
 from shoal.layers.norm import RMSNorm
+from shoal.layers.quant_formats import QuantizedWeight
+from shoal.layers.quantized_linear import QuantizedLinear, Weight, projection
 from shoal.layers.rotary import Rope, RotaryEmbedding
+from shoal.models import fused_decode
 from shoal.models.config import ModelConfig
+from shoal.models.fused_decode import FusedDecode
 
-Weights = dict[str, torch.Tensor]
+Weights = dict[str, Weight]
+
+
+def _tensor(w: Weight) -> torch.Tensor:
+    assert isinstance(w, torch.Tensor), "only projection weights may be quantized"
+    return w
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, dtype: torch.dtype) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -42,13 +50,14 @@ class Attention(nn.Module):
         names = [f"{prefix}.{p}_proj" for p in "qkv"]
         bias = None
         if cfg.attention_bias:
-            bias = torch.cat([w.pop(f"{n}.bias") for n in names])
-        self.qkv_proj = Linear(torch.cat([w.pop(f"{n}.weight") for n in names]), bias)
-        self.o_proj = Linear(w.pop(f"{prefix}.o_proj.weight"))
+            bias = torch.cat([_tensor(w.pop(f"{n}.bias")) for n in names])
+        self.qkv_proj = projection([w.pop(f"{n}.weight") for n in names], dtype, bias)
+        self.o_proj = projection([w.pop(f"{prefix}.o_proj.weight")], dtype)
         self.q_norm = self.k_norm = None
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(w.pop(f"{prefix}.q_norm.weight"), cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(w.pop(f"{prefix}.k_norm.weight"), cfg.rms_norm_eps)
+            eps = cfg.rms_norm_eps
+            self.q_norm = RMSNorm(_tensor(w.pop(f"{prefix}.q_norm.weight")), eps)
+            self.k_norm = RMSNorm(_tensor(w.pop(f"{prefix}.k_norm.weight")), eps)
         self.scale = self.head_dim**-0.5
         self.k_cache = self.v_cache = torch.empty(0)
 
@@ -71,26 +80,26 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, w: Weights, prefix: str) -> None:
+    def __init__(self, w: Weights, prefix: str, dtype: torch.dtype) -> None:
         super().__init__()
         gate, up = w.pop(f"{prefix}.gate_proj.weight"), w.pop(f"{prefix}.up_proj.weight")
-        self.gate_up_proj = GateUpProjection(torch.cat([gate, up]))
-        self.down_proj = Linear(w.pop(f"{prefix}.down_proj.weight"))
+        self.gate_up_proj = projection([gate, up], dtype, gate_up=True)
+        self.down_proj = projection([w.pop(f"{prefix}.down_proj.weight")], dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.gate_up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str) -> None:
+    def __init__(self, cfg: ModelConfig, w: Weights, prefix: str, dtype: torch.dtype) -> None:
         super().__init__()
         eps = cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(w.pop(f"{prefix}.input_layernorm.weight"), eps)
-        self.self_attn = Attention(cfg, w, f"{prefix}.self_attn")
+        self.input_layernorm = RMSNorm(_tensor(w.pop(f"{prefix}.input_layernorm.weight")), eps)
+        self.self_attn = Attention(cfg, w, f"{prefix}.self_attn", dtype)
         self.post_attention_layernorm = RMSNorm(
-            w.pop(f"{prefix}.post_attention_layernorm.weight"), eps
+            _tensor(w.pop(f"{prefix}.post_attention_layernorm.weight")), eps
         )
-        self.mlp = MLP(w, f"{prefix}.mlp")
+        self.mlp = MLP(w, f"{prefix}.mlp", dtype)
 
     def forward(
         self,
@@ -111,22 +120,34 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, weights: Weights, max_positions: int) -> None:
+    """`dtype` is the model's: its float weights and KV cache. With quantized weights the
+    activations are float32 (`use_float32_activations`), the KV cache stays in `dtype`."""
+
+    def __init__(
+        self, cfg: ModelConfig, weights: Weights, max_positions: int, dtype: torch.dtype
+    ) -> None:
         super().__init__()
         w = dict(weights)
-        self.config = cfg
-        dtype = w["model.embed_tokens.weight"].dtype
-        self.embed_tokens = nn.Parameter(w.pop("model.embed_tokens.weight"), requires_grad=False)
+        self.config, self.dtype = cfg, dtype
+        embed = w.pop("model.embed_tokens.weight")
+        # A quantized embedding is looked up row by row from its blocks.
+        self.embed_blocks = embed if isinstance(embed, QuantizedWeight) else None
+        self.embed_tokens = None
+        if isinstance(embed, torch.Tensor):
+            self.embed_tokens = nn.Parameter(embed, requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, w, f"model.layers.{i}") for i in range(cfg.num_layers)
+            DecoderLayer(cfg, w, f"model.layers.{i}", dtype) for i in range(cfg.num_layers)
         )
-        self.norm = RMSNorm(w.pop("model.norm.weight"), cfg.rms_norm_eps)
+        self.norm = RMSNorm(_tensor(w.pop("model.norm.weight")), cfg.rms_norm_eps)
         head = w.pop("lm_head.weight", None)
         if head is None or cfg.tie_word_embeddings:
-            head = self.embed_tokens.data
-        self.lm_head = Linear(head)
+            head = embed if self.embed_tokens is None else self.embed_tokens.data
+        self.lm_head = projection([head], dtype)
         self.rotary = RotaryEmbedding(cfg.hf_config, cfg.head_dim, max_positions, dtype)
         self.act_dtype = dtype
+        self.quantized = any(isinstance(v, QuantizedWeight) for v in weights.values())
+        self.fused: FusedDecode | None = None  # set by `use_fused_decode`
+        self.activation_levels = 2  # int8 levels per quantized activation
         w = {k: v for k, v in w.items() if "rotary_emb" not in k}
         if w:
             raise ValueError(f"unexpected weights: {sorted(w)[:5]}")
@@ -139,12 +160,34 @@ class LlamaForCausalLM(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        x = F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+        x = self.embed(input_ids)
+        if self.fused is not None and not meta.prefills and meta.num_decodes == x.shape[0]:
+            self.fused(x, positions, meta)
+            return x
         rope = Rope(self.rotary, positions)
         residual: torch.Tensor | None = None
         for layer in self.layers:
             x, residual = layer(x, residual, meta, rope)
         return x if residual is None else x.add_(residual)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_blocks is not None:
+            return self.embed_blocks.rows(input_ids.cpu(), self.act_dtype).to(input_ids.device)
+        assert self.embed_tokens is not None
+        return F.embedding(input_ids, self.embed_tokens).to(self.act_dtype)
+
+    def use_activation_levels(self, levels: int) -> None:
+        """int8 levels per value (1 or 2) quantized products quantize their rows to."""
+        self.activation_levels = levels
+        for module in self.modules():
+            if isinstance(module, QuantizedLinear):
+                module.levels = levels
+
+    def use_fused_decode(self) -> bool:
+        """Run decode-only steps through one C++ call where this model allows it (once its KV
+        caches and activation dtype are set); returns whether it does."""
+        self.fused = FusedDecode(self) if fused_decode.supported(self) else None
+        return self.fused is not None
 
     def use_float32_activations(self) -> None:
         """Keep the projection weights (and the embedding) as they are; run the rest in fp32."""

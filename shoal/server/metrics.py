@@ -53,6 +53,12 @@ class _EngineCollector(Collector):
         s = self.engine.stats()
         for f in dataclasses.fields(s):
             name = f"shoal_{f.metadata['metric'] or f.name}"
+            if "label" in f.metadata:
+                family = GaugeMetricFamily(name, f.metadata["doc"], labels=[f.metadata["label"]])
+                for key, level in sorted(getattr(s, f.name).items()):
+                    family.add_metric([key], float(level))
+                yield family
+                continue
             value = float(getattr(s, f.name))
             if f.metadata["kind"] == "counter":
                 yield CounterMetricFamily(name, f.metadata["doc"], value=value)

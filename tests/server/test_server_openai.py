@@ -219,6 +219,10 @@ def test_metrics(client: openai.OpenAI, server: LiveServer) -> None:
         "shoal_prefix_cache_hit_rate",
     ):
         assert name in text, name
+    # The weights' resident bytes, one gauge per storage format.
+    weights = [line for line in text.splitlines() if line.startswith("shoal_model_weight_bytes{")]
+    assert weights and all(float(line.split()[-1]) > 0 for line in weights)
+    assert all('format="' in line for line in weights)
 
 
 def test_api_key(start_server: Callable[..., LiveServer]) -> None:

@@ -15,6 +15,10 @@ namespace shoal {
 
 struct Shape {
   int64_t heads, kv_heads, dim, block_size, max_blocks;
+  // Elements between consecutive tokens of the cache: kv_heads * dim unless set, as when a
+  // caller attends one kv head (kv_heads 1) of a cache that holds several.
+  int64_t stride = 0;
+  int64_t token_stride() const { return stride ? stride : kv_heads * dim; }
 };
 
 // Calls fn(t, m, rows) for runs of up to RUN consecutive tokens of `cache` (keys or values)
@@ -80,7 +84,7 @@ void attend_portable(const T* q, const KV* kc, const KV* vc, const int64_t* tabl
                      T* out, const Shape& s, T scale, std::vector<T>& scores,
                      std::vector<T>& acc) {
   const int64_t group = s.heads / s.kv_heads, dim = DIM > 0 ? DIM : s.dim, heads = s.heads;
-  const int64_t token_stride = s.kv_heads * dim;
+  const int64_t token_stride = s.token_stride();
   scores.resize(heads * len);
   for_each_run<1>(kc, table, len, s.block_size, token_stride, [&](int64_t t, int64_t, const KV* k) {
     for (int64_t h = 0; h < heads; ++h) {
@@ -116,5 +120,10 @@ Attend<T, KV> pick_portable(int64_t dim) {
   if (dim == 128) return attend_portable<T, KV, 128>;
   return attend_portable<T, KV, 0>;
 }
+
+// The one-query attention this build runs for float32 queries over a float32 (KV = float) or
+// bfloat16 (KV = uint16_t) cache (paged_decode.cpp), for callers with their own threads.
+template <typename KV>
+Attend<float, KV> decode_attend(int64_t dim);
 
 }  // namespace shoal

@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "row_ops.h"
 #include "simd.h"
 
 namespace {
@@ -35,7 +36,6 @@ inline int threads_for(int64_t elems, int64_t rows, int64_t num_threads) {
 template <typename T>
 void rms_norm(const T* x, int64_t ldx, T* residual, const T* w, T* out, int64_t rows, int64_t h,
               double eps, int64_t num_threads) {
-  using A = shoal::acc_t<T>;
 #pragma omp parallel for num_threads(threads_for(rows * h, rows, num_threads))
   for (int64_t r = 0; r < rows; ++r) {
     const T* xr = x + r * ldx;
@@ -46,15 +46,7 @@ void rms_norm(const T* x, int64_t ldx, T* residual, const T* w, T* out, int64_t 
       for (int64_t i = 0; i < h; ++i) res[i] = narrow<T>(widen(xr[i]) + widen(res[i]));
       src = res;
     }
-    A sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t i = 0; i < h; ++i) sum += widen(src[i]) * widen(src[i]);
-    const A inv = A(1) / std::sqrt(sum / A(h) + A(eps));
-    T* o = out + r * h;
-#pragma omp simd
-    for (int64_t i = 0; i < h; ++i) {
-      o[i] = narrow<T>(widen(w[i]) * widen(narrow<T>(widen(src[i]) * inv)));
-    }
+    shoal::rms_norm_row(src, w, out + r * h, h, eps);
   }
 }
 
@@ -80,21 +72,13 @@ void rope_store(T* qkv, int64_t ld, int64_t tokens, int64_t heads, int64_t kv_he
                 const shoal::acc_t<T>* cos, const shoal::acc_t<T>* sin, const int64_t* positions,
                 const int64_t* slots, KV* k_cache, KV* v_cache, int64_t num_threads) {
   using A = shoal::acc_t<T>;
-  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;  // per token
+  const int64_t width = (heads + 2 * kv_heads) * dim;  // per token
 #pragma omp parallel for num_threads(threads_for(tokens * width, tokens, num_threads))
   for (int64_t t = 0; t < tokens; ++t) {
     T* row = qkv + t * ld;
     const A* c = cos + positions[t] * dim;
     const A* s = sin + positions[t] * dim;
-    for (int64_t hd = 0; hd < heads + kv_heads; ++hd) {
-      T* x = row + hd * dim;
-#pragma omp simd
-      for (int64_t i = 0; i < half; ++i) {
-        const A a = widen(x[i]), b = widen(x[i + half]);
-        x[i] = narrow<T>(a * c[i] - b * s[i]);
-        x[i + half] = narrow<T>(b * c[i + half] + a * s[i + half]);
-      }
-    }
+    for (int64_t hd = 0; hd < heads + kv_heads; ++hd) shoal::rotate_half(row + hd * dim, c, s, dim);
     const T* k = row + heads * dim;
     const T* v = k + kv_heads * dim;
     KV* kd = k_cache + slots[t] * kv_heads * dim;

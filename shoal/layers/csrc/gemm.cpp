@@ -1,5 +1,6 @@
 // Dense projections for AVX2 + FMA CPUs: C[m, n] = A[m, k] . W[n, k]^T (+ bias), float32
-// activations and accumulation, the weight in float32 or bfloat16.
+// activations and accumulation, the weight in float32, bfloat16 or quantized blocks (the
+// large products of quantized models; dequant_panel.h).
 //
 // The weight is packed once (by the caller, in torch) into panels of 16 output columns, each
 // panel k-major: panel p holds W[16p + j][kk] at [kk * 16 + j], so a micro-kernel step reads
@@ -21,10 +22,11 @@
 #include <immintrin.h>
 #include <omp.h>
 
+#include "dequant_panel.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 namespace {
@@ -116,32 +118,63 @@ inline void widen_bf16(const uint16_t* src, float* dst, int64_t count) {
   }
 }
 
-template <typename W>
-void gemm(const float* a, int64_t m, int64_t k, int64_t lda, const W* packed, int64_t n, float* c,
-          int64_t ldc, const float* bias, int64_t num_threads) {
+// Where a thread's panels come from: the packed float32 weight itself, bfloat16 panels widened
+// into a buffer, or quantized groups dequantized into it (dequant_panel.h). `get` returns
+// panel p as float32; `bytes(p)` is where its memory starts, for the prefetch.
+struct F32Panels {
+  const float* packed;
+  int64_t k;
+  static constexpr bool kBuffered = false;
+  const float* get(int64_t p, float*) const { return packed + p * k * NR; }
+  const char* bytes(int64_t p) const { return reinterpret_cast<const char*>(packed + p * k * NR); }
+  int64_t panel_bytes() const { return k * NR * int64_t(sizeof(float)); }
+};
+
+struct Bf16Panels {
+  const uint16_t* packed;
+  int64_t k;
+  static constexpr bool kBuffered = true;
+  const float* get(int64_t p, float* wide) const {
+    widen_bf16(packed + p * k * NR, wide, k * NR);
+    return wide;
+  }
+  const char* bytes(int64_t p) const { return reinterpret_cast<const char*>(packed + p * k * NR); }
+  int64_t panel_bytes() const { return k * NR * int64_t(sizeof(uint16_t)); }
+};
+
+struct QuantPanels {
+  shoal::quant::Fmt fmt;
+  const uint8_t* w;
+  int64_t k, groups;
+  static constexpr bool kBuffered = true;
+  const float* get(int64_t p, float* wide) const {
+    shoal::quant::dequantize_panel(fmt, w, k, groups, p, wide);
+    return wide;
+  }
+  const char* bytes(int64_t p) const {
+    return reinterpret_cast<const char*>(w + 2 * p * shoal::quant::group_bytes(fmt, k));
+  }
+  int64_t panel_bytes() const { return 2 * shoal::quant::group_bytes(fmt, k); }
+};
+
+template <typename Panels>
+void gemm(const float* a, int64_t m, int64_t k, int64_t lda, const Panels& src, int64_t n,
+          float* c, int64_t ldc, const float* bias, int64_t num_threads) {
   const int64_t panels = (n + NR - 1) / NR;
   const int threads = int(std::max<int64_t>(1, std::min(num_threads, panels)));
 #pragma omp parallel num_threads(threads)
   {
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt;
-    std::vector<float> wide;
-    if constexpr (!std::is_same_v<W, float>) wide.resize(k * NR);
+    std::vector<float> wide(Panels::kBuffered ? k * NR : 0);
     for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
       const int64_t m1 = std::min(m, m0 + M_BLOCK);
       for (int64_t p = p0; p < p1; ++p) {
         const int64_t cols = std::min(NR, n - p * NR);
-        const float* panel;
-        if constexpr (std::is_same_v<W, float>) {
-          panel = packed + p * k * NR;
-        } else {
-          widen_bf16(packed + p * k * NR, wide.data(), k * NR);
-          panel = wide.data();
-        }
-        const char* next =
-            p + 1 < p1 ? reinterpret_cast<const char*>(packed + (p + 1) * k * NR) : nullptr;
+        const float* panel = src.get(p, wide.data());
+        const char* next = p + 1 < p1 ? src.bytes(p + 1) : nullptr;
         rows_by_panel(a, lda, m0, m1, panel, k, c + p * NR, ldc, cols,
-                      bias ? bias + p * NR : nullptr, next, int64_t(k * NR * sizeof(W)));
+                      bias ? bias + p * NR : nullptr, next, src.panel_bytes());
       }
     }
   }
@@ -152,13 +185,23 @@ void gemm(const float* a, int64_t m, int64_t k, int64_t lda, const W* packed, in
 extern "C" void gemm_f32(const float* a, int64_t m, int64_t k, int64_t lda, const float* packed,
                          int64_t n, float* c, int64_t ldc, const float* bias,
                          int64_t num_threads) {
-  gemm<float>(a, m, k, lda, packed, n, c, ldc, bias, num_threads);
+  gemm(a, m, k, lda, F32Panels{packed, k}, n, c, ldc, bias, num_threads);
 }
 
 extern "C" void gemm_bf16w(const float* a, int64_t m, int64_t k, int64_t lda,
                            const uint16_t* packed, int64_t n, float* c, int64_t ldc,
                            const float* bias, int64_t num_threads) {
-  gemm<uint16_t>(a, m, k, lda, packed, n, c, ldc, bias, num_threads);
+  gemm(a, m, k, lda, Bf16Panels{packed, k}, n, c, ldc, bias, num_threads);
+}
+
+// A weight kept in quantized groups (quant_formats.py; `fmt` is quant_blocks.h's Fmt),
+// dequantized a panel at a time: the large products of quantized models.
+extern "C" void gemm_quant(const float* a, int64_t m, int64_t k, int64_t lda, int64_t fmt,
+                           const uint8_t* w, int64_t n, float* c, int64_t ldc, const float* bias,
+                           int64_t num_threads) {
+  const int64_t groups = (n + shoal::quant::kRows - 1) / shoal::quant::kRows;
+  const QuantPanels src{shoal::quant::Fmt(fmt), w, k, groups};
+  gemm(a, m, k, lda, src, n, c, ldc, bias, num_threads);
 }
 
 #endif  // AVX2 + FMA

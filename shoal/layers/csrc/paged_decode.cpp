@@ -32,13 +32,17 @@ using shoal::Vec;
 
 constexpr int TU = 4;  // tokens per step of the vector path
 
-// Rows of `n` tokens as float32: in place for a float32 cache, widened into `buf` for bfloat16.
+// Rows of `n` tokens, `stride` apart, as float32: in place for a float32 cache; for bfloat16,
+// the first `row_len` values of each (the kv heads attended) widened into `buf`, same stride.
 template <typename KV>
-inline const float* as_float(const KV* rows, int64_t n, int64_t row_len, float* buf) {
+inline const float* as_float(const KV* rows, int64_t n, int64_t row_len, int64_t stride,
+                             float* buf) {
   if constexpr (sizeof(KV) == sizeof(float)) {
     return reinterpret_cast<const float*>(rows);
   } else {
-    for (int64_t i = 0; i < n * row_len; i += kLanes) shoal::vstore(buf + i, shoal::vload(rows + i));
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t i = 0; i < row_len; i += kLanes)
+        shoal::vstore(buf + t * stride + i, shoal::vload(rows + t * stride + i));
     return buf;
   }
 }
@@ -52,14 +56,14 @@ void attend_vec(const float* q, const KV* kc, const KV* vc, const int64_t* table
                 std::vector<float>& acc) {
   constexpr int NV = DIM / kLanes;
   const int64_t group = s.heads / s.kv_heads, heads = s.heads, kv_heads = s.kv_heads;
-  const int64_t token_stride = kv_heads * DIM;
+  const int64_t token_stride = s.token_stride();
   scores.resize(heads * len + TU * token_stride);  // the tail widens bfloat16 rows
   float* sc = scores.data();
   float* wide = sc + heads * len;
   auto walk = [&](const KV* cache, auto&& fn) {
     shoal::for_each_run<TU>(cache, table, len, s.block_size, token_stride,
                             [&](int64_t t, int64_t m, const KV* rows) {
-                              fn(t, m, as_float(rows, m, token_stride, wide));
+                              fn(t, m, as_float(rows, m, kv_heads * DIM, token_stride, wide));
                             });
   };
   walk(kc, [&](int64_t t, int64_t m, const float* k) {
@@ -155,7 +159,7 @@ void attend_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc, cons
                  int64_t len, uint16_t* out, const Shape& s, float scale, std::vector<float>& sc,
                  std::vector<float>& acc) {
   constexpr int NP = DIM / 32;  // vectors of 32 bfloat16 per head row
-  const int64_t group = s.heads / s.kv_heads, heads = s.heads, token_stride = s.kv_heads * DIM;
+  const int64_t group = s.heads / s.kv_heads, heads = s.heads, token_stride = s.token_stride();
   sc.resize(heads * len);
   float* scores = sc.data();
   auto load = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };
@@ -266,6 +270,13 @@ void decode(const T* q, const KV* kc, const KV* vc, const int64_t* tables, const
 }
 
 }  // namespace
+
+template <typename KV>
+shoal::Attend<float, KV> shoal::decode_attend(int64_t dim) {
+  return pick<float, KV>(dim);
+}
+template shoal::Attend<float, float> shoal::decode_attend<float>(int64_t);
+template shoal::Attend<float, uint16_t> shoal::decode_attend<uint16_t>(int64_t);
 
 #define SHOAL_DECODE(NAME, T, KV)                                                             \
   extern "C" void NAME(const T* q, const KV* kc, const KV* vc, const int64_t* tables,         \

@@ -158,7 +158,7 @@ void tile(const T* q, const KV* kc, const KV* vc, const int64_t* span, const int
   const int64_t q_start = span[0], q_len = span[1], offset = span[2] - q_len;
   const int64_t tokens = std::min(tq, q_len - it.t0), rows = tokens * group;
   const int64_t first = offset + it.t0, last = first + tokens - 1;  // positions in the tile
-  const int64_t token_stride = s.kv_heads * dim;
+  const int64_t token_stride = s.token_stride();
   w.kv_stride = token_stride;
   float *m = w.m.data(), *l = w.l.data(), *sc = w.st.data(), *alpha = w.alpha.data();
   constexpr int R = P::kRows;  // rows in use (at least `rows`)
