@@ -125,11 +125,8 @@ def test_the_installed_command_runs(tiny_tok):
     assert len(result["text"].split()) <= 2
 
 
-def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, monkeypatch, capsys):
-    args = ["generate", "w5 w6 w5 w6 w5", "--model", str(tiny_tok), "--dtype", "float64"]
-    args += ["--raw", "--json", "--max-tokens", "12"]
-    assert main(args) == 0
-    plain = json.loads(capsys.readouterr().out)
+def _made_llms(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """The `LLM`s the command line makes, in order (so a test can read their config)."""
     made: list[Any] = []
     original = shoal.llm.LLM
 
@@ -138,6 +135,15 @@ def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, mon
         return made[-1]
 
     monkeypatch.setattr(shoal.llm, "LLM", spy)
+    return made
+
+
+def test_speculation_flag_reaches_the_engine_and_changes_no_output(tiny_tok, monkeypatch, capsys):
+    args = ["generate", "w5 w6 w5 w6 w5", "--model", str(tiny_tok), "--dtype", "float64"]
+    args += ["--raw", "--json", "--max-tokens", "12"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    made = _made_llms(monkeypatch)
     assert main([*args, "--num-speculative-tokens", "3"]) == 0
     assert made[0].engine.config.num_speculative_tokens == 3
     assert json.loads(capsys.readouterr().out)["text"] == plain["text"]
@@ -206,14 +212,7 @@ def test_every_option_is_explained_and_in_the_reference():
 
 
 def test_quantization_flags_reach_the_engine(tiny_tok, monkeypatch, capsys):
-    made: list[Any] = []
-    original = shoal.llm.LLM
-
-    def spy(*a: Any, **kw: Any) -> Any:
-        made.append(original(*a, **kw))
-        return made[-1]
-
-    monkeypatch.setattr(shoal.llm, "LLM", spy)
+    made = _made_llms(monkeypatch)
     args = ["generate", "w5 w6", "--model", str(tiny_tok), "--raw", "--max-tokens", "2"]
     assert main([*args, "--quantization", "int8", "--quantized-activations", "int8"]) == 0
     config, model = made[0].engine.config, made[0].engine.runner.model
