@@ -161,6 +161,37 @@ def test_concurrent_shared_prefix_requests_match_transformers(tiny_model_dir, ti
     assert_pool_whole(engine)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_kv_from_each_tier_matches_transformers(kind, tiny_model_dir, tiny_hf_model, tmp_path):
+    """A conversation resent whole finds its KV in the pool, then in host memory (other
+    traffic took the pool), then on disk (a new engine): each turn equals transformers."""
+    path = tiny_model_dir(kind)
+    hf = tiny_hf_model(path)
+    rng = random.Random(9)
+    store = {"block_size": 4, "num_blocks": 24, "cache_dir": str(tmp_path)}
+    engine = make_engine(path, **store)
+    history = random_prompt(rng, 30)
+    turns, done = [], {}
+    for tier in ("pool", "host", "disk"):
+        if tier == "host":
+            run_staggered(engine, {0: [("other", random_prompt(rng, 80), 1)]})
+        if tier == "disk":
+            engine.close()
+            engine = make_engine(path, **store)
+        history = history + random_prompt(rng, 2)
+        turn = (tier, history, 6)
+        done |= run_staggered(engine, {0: [turn]})
+        turns.append(turn)
+        history = history + done[tier].token_ids
+        if tier != "pool":
+            assert done[tier].num_cached_tokens >= 28, tier
+        if tier == "host":
+            assert engine.stats().kv_host_promotions > 0, "the turn did not come from host memory"
+    assert engine.stats().kv_disk_promotions > 0, "the last turn did not come from the disk"
+    check_against_hf(hf, path, turns, done)
+    assert_pool_whole(engine)
+
+
 def test_prefix_caching_disabled_never_hits(tiny_model_dir, tiny_hf_model):
     path = tiny_model_dir("llama")
     hf = tiny_hf_model(path)
