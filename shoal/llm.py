@@ -98,11 +98,14 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         session_id: SessionIds = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in prompt order.
 
         `session_id` (one for all prompts, or one per prompt) lets each turn reuse the KV its
         session kept from the previous one: pass the whole conversation as the prompt.
+        `cache_salt` keeps these prompts' cached KV apart from everyone else's: only requests
+        with the same salt share prefix blocks (vLLM's `cache_salt`).
         """
         if isinstance(prompts, str) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
@@ -121,7 +124,7 @@ class LLM:
             session_list = list(session_id)
             if len(session_list) != len(prompt_list):
                 raise InvalidRequestError("give one session_id, or one per prompt")
-        return self._run(prompt_list, param_list, use_tqdm, session_list)
+        return self._run(prompt_list, param_list, use_tqdm, session_list, cache_salt)
 
     def chat(
         self,
@@ -130,11 +133,14 @@ class LLM:
         *,
         use_tqdm: bool | None = None,
         session_id: SessionIds = None,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation (or several) and generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [self.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        return self.generate(prompts, params, use_tqdm=use_tqdm, session_id=session_id)
+        return self.generate(
+            prompts, params, use_tqdm=use_tqdm, session_id=session_id, cache_salt=cache_salt
+        )
 
     def apply_chat_template(self, messages: list[Message]) -> list[int]:
         return self.engine.apply_chat_template(messages)
@@ -145,10 +151,11 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool | None,
         session_ids: list[str | None],
+        cache_salt: str | None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [
-            engine.add_request(p, sp, session_id=sid)
+            engine.add_request(p, sp, session_id=sid, cache_salt=cache_salt)
             for p, sp, sid in zip(prompts, params, session_ids, strict=True)
         ]
         results: dict[str, RequestOutput] = {}

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from shoal import Engine, SamplingParams
+from shoal import LLM, Engine, SamplingParams
 from shoal.engine.hashing import Salt
 from shoal.errors import InvalidRequestError
 
@@ -64,3 +64,14 @@ def test_the_shared_folder_keeps_a_sessions_salt(model: Path, tmp_path: Path) ->
     assert run(two, longer, session_id="s", cache_salt=Salt.of("tenant-b", 2))[1] == 8
     three = make(model, session_tier_dir=tier)
     assert run(three, longer, session_id="s", cache_salt=salt)[1] > len(PROMPT)
+
+
+def test_llm_generate_shares_cached_blocks_only_within_a_salt(model: Path) -> None:
+    llm = LLM(str(model), dtype="float64", block_size=4, num_blocks=128)
+    (first,) = llm.generate([PROMPT], GREEDY, cache_salt="a")
+    (other,) = llm.generate([PROMPT], GREEDY, cache_salt="b")
+    (same,) = llm.generate([PROMPT], GREEDY, cache_salt="a")
+    (unsalted,) = llm.generate([PROMPT], GREEDY)
+    assert (other.num_cached_tokens, unsalted.num_cached_tokens) == (0, 0)
+    assert same.num_cached_tokens == 36
+    assert first.token_ids == other.token_ids == same.token_ids == unsalted.token_ids
