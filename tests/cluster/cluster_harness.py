@@ -9,6 +9,11 @@ import ray
 
 APP = "shoal"
 KEYS = {"key-alpha": "alpha", "key-beta": "beta"}  # the cluster's tenants besides `default`
+# How long a cluster test waits for what must happen (a replica restarted after a kill, the
+# session tier's writes, a batch's end) before it fails: a bound on liveness, never a way to
+# synchronise. A replica's restart imports torch and loads the model, which takes minutes on a
+# busy 2-core machine.
+PATIENCE_S = 600
 
 
 @dataclass

@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 import pytest
-from cluster_harness import APP, KEYS, Cluster
+from cluster_harness import APP, KEYS, PATIENCE_S, Cluster
 from server_harness import free_port
 
 from shoal.cluster.app import ClusterConfig, start_local, stop_local
@@ -24,7 +24,6 @@ from shoal.config import EngineConfig
 from shoal.server.keys import hash_key
 from shoal.server.state import ServerConfig
 
-START_TIMEOUT_S = 240
 BATCH_LEASE_S = 2.0
 BATCH_CONCURRENCY = 2  # batch requests per replica at once
 
@@ -62,7 +61,7 @@ def cluster(
     start_local(config, "127.0.0.1", port, num_cpus=2)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + PATIENCE_S
         while httpx.get(f"{url}/health", timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "the cluster did not become ready"
             time.sleep(0.2)

@@ -32,7 +32,7 @@ import openai
 import pytest
 import ray
 from batch_helpers import TERMINAL, HeldLines, chat_line, jsonl, read_lines, upload
-from cluster_harness import KEYS, Cluster
+from cluster_harness import KEYS, PATIENCE_S, Cluster
 
 from shoal import LLM, SamplingParams
 
@@ -146,7 +146,7 @@ def test_a_killed_replicas_sessions_continue_restored_from_the_tier(cluster: Clu
     # The tier's promise is for turns it holds durably: wait for every queued write to land.
     # What follows holds wherever the kill lands in round 3 (mid-turn: the SDK retries
     # elsewhere; after it: round 4 moves), so the killer only tries for mid-turn.
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + PATIENCE_S
     while any(metric(cluster, "shoal_tier_pending").values()):
         assert time.monotonic() < deadline, "the session tier did not catch up"
         time.sleep(0.05)
@@ -230,7 +230,7 @@ def test_same_routes_errors_and_streaming_as_shoal_serve(cluster: Cluster) -> No
     assert httpx.get(f"{cluster.url}/health", timeout=30).json()["status"] == "ok"
 
 
-def wait_for_replicas(cluster: Cluster, n: int, timeout: float = 120) -> list[str]:
+def wait_for_replicas(cluster: Cluster, n: int, timeout: float = PATIENCE_S) -> list[str]:
     """The live replicas, once there are `n` (Ray Serve replaces one an earlier test killed)."""
     deadline = time.monotonic() + timeout
     while len(live := metric(cluster, "shoal_num_sessions")) < n:
@@ -265,7 +265,7 @@ def test_a_batch_running_during_a_replica_kill_completes_exactly_once(cluster: C
         assert status == "in_progress"  # the API answers, and no answer has been stored yet
     finally:
         gate.open()
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + PATIENCE_S
     while (batch := client.batches.retrieve(batch.id)).status not in TERMINAL:
         assert time.monotonic() < deadline, f"the batch did not finish: {batch}"
         time.sleep(0.2)

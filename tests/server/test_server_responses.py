@@ -330,7 +330,7 @@ def test_a_client_that_leaves_aborts_and_stores_nothing(live: LiveServer) -> Non
             deltas += '"response.output_text.delta"' in line
             if deltas == 3:
                 break
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 60
     while aborts() < before + 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert aborts() == before + 1
