@@ -81,6 +81,9 @@ class SimulatedKVRunner:
     def copy_block(self, src: int, dst: int) -> None:
         self.write_blocks([dst], self.read_blocks([src]))
 
+    def weight_bytes(self) -> dict[str, int]:
+        return {}  # no model behind the simulation
+
     def execute(self, batch: ScheduledBatch) -> tuple[list[Sequence], Sampled]:
         pool = self.engine.pool
         bs = pool.block_size
