@@ -5,16 +5,20 @@ cluster (`shoal cluster deploy --address ...`)."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 import signal
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import ray
 from ray import serve
+from ray.serve.schema import ProxyStatus
 
 from shoal.cluster.ingress import Ingress
 from shoal.cluster.replica import EngineReplica
@@ -22,6 +26,11 @@ from shoal.cluster.router import SessionAffinityRouter as ROUTER
 from shoal.server.state import ServerConfig
 
 MiB = 1 << 20
+# Ray Serve waits a fixed 60 s for its HTTP proxy (`HTTP_PROXY_TIMEOUT`, not configurable) and
+# raises; on a busy machine the proxy may still be importing. shoal waits this much longer.
+PROXY_PATIENCE_S = 600.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -110,11 +119,35 @@ def start_local(
         log_to_driver=False,
         configure_logging=False,
     )
-    serve.start(
-        http_options={"host": host, "port": port},
-        logging_config={"enable_access_log": False},
+    http = {"host": host, "port": port}
+    proxy_may_be_late(
+        lambda: serve.start(http_options=http, logging_config={"enable_access_log": False})
     )
-    deploy(config)
+    proxy_may_be_late(lambda: deploy(config))
+
+
+def proxy_may_be_late(step: Callable[[], object], patience_s: float = PROXY_PATIENCE_S) -> None:
+    """Run a Serve step that ends by waiting for the HTTP proxy; if Ray gives up on a proxy
+    that is only slow, go on waiting for it (a repeated step would redeploy every replica)."""
+    try:
+        step()
+    except TimeoutError as late:
+        log.warning("Ray Serve's HTTP proxy is late (%s); waiting up to %.0f s", late, patience_s)
+        wait_for_proxies(patience_s)
+
+
+def wait_for_proxies(patience_s: float) -> None:
+    """Return once every Serve HTTP proxy reports healthy; TimeoutError after `patience_s`."""
+    deadline = time.monotonic() + patience_s
+    while True:
+        proxies = serve.status().proxies
+        if proxies and all(p == ProxyStatus.HEALTHY for p in proxies.values()):
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"Ray Serve's HTTP proxies not healthy after {patience_s:.0f} s: {proxies}"
+            )
+        time.sleep(0.5)
 
 
 def deploy(config: ClusterConfig) -> None:

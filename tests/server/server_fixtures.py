@@ -4,7 +4,8 @@ a tiny model with a tokenizer, and live uvicorn servers on 127.0.0.1.
 `server` is one shared in-thread server (its engine is reachable for pool checks);
 `start_server(**config)` starts more with other settings; `spawn_server(data_dir)` runs one
 in a subprocess (for kill -9 and SIGTERM tests). Every server stops itself. `postgres` is one
-throwaway PostgreSQL for the session; `fresh_store(request, kind)` gives a test its own store.
+throwaway PostgreSQL for the session; `fresh_store(request, kind)` gives a test its own store,
+`store` an open, empty one of each kind.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from server_tiny_model import build_tiny_model
 
 from shoal.config import EngineConfig
 from shoal.server.state import ServerConfig
+from shoal.server.store import Store, open_store
 
 NUM_BLOCKS = 1024
 HERE = Path(__file__).parent
@@ -54,6 +56,13 @@ def fresh_store(request: pytest.FixtureRequest, kind: str) -> str | None:
     if kind == "sqlite":
         return None
     return str(request.getfixturevalue("postgres").new_database())
+
+
+@pytest.fixture(params=STORES)
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    opened = open_store(fresh_store(request, request.param) or tmp_path / "shoal.sqlite3")
+    yield opened
+    opened.close()
 
 
 @pytest.fixture(scope="session")

@@ -11,24 +11,14 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from server_fixtures import STORES, fresh_store
 from server_harness import free_port
 
 from shoal.server.store import BatchStatus, OutputFile, Store, StoreError, open_store
 from shoal.urls import redact
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = fresh_store(request, request.param) or tmp_path / "shoal.sqlite3"
-    opened = open_store(url)
-    yield opened
-    opened.close()
 
 
 def new_batch(store: Store, batch_id: str, status: str = BatchStatus.IN_PROGRESS) -> str:

@@ -8,26 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
-import pytest
-from server_fixtures import STORES, fresh_store
-
 from shoal.server.responses.service import Responses
-from shoal.server.store import Store, open_store
+from shoal.server.store import Store
 from shoal.server.store.responses import StoredResponse
 
 BIG = 1_000_000
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = fresh_store(request, request.param) or tmp_path / "shoal.sqlite3"
-    opened = open_store(url)
-    yield opened
-    opened.close()
 
 
 def response(

@@ -7,25 +7,13 @@ from __future__ import annotations
 
 import re
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
-
-import pytest
-from server_fixtures import STORES, fresh_store
 
 from shoal.server.store import BatchStatus, OutputFile, Store, open_store
 from shoal.server.store import postgres as pg_store
 from shoal.server.store import sqlite as sqlite_store
 from shoal.server.store.responses import StoredResponse
-
-
-@pytest.fixture(params=STORES)
-def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
-    url = fresh_store(request, request.param) or tmp_path / "shoal.sqlite3"
-    opened = open_store(url)
-    yield opened
-    opened.close()
 
 
 def batch(store: Store, batch_id: str, tenant: str, file_id: str = "file-x") -> None:
