@@ -10,6 +10,7 @@ has it, and every other matrix in the named type (`llama-quantize --pure
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -50,24 +51,44 @@ def requantized(root: Path, source: Path, qtype: str) -> Path:
 def random_llama(root: Path, seed: int = 0) -> Path:
     """A float16 GGUF of random weights in RANDOM_1B's shape, with the bundled tokenizer."""
     out = root / "random-llama-1b-F16.gguf"
-    if out.exists():
-        return out
-    s = RANDOM_1B
-    h, inter = s["hidden"], s["intermediate"]
-    kv = s["kv_heads"] * h // s["heads"]
+    if not out.exists():
+        rng = np.random.default_rng(seed)
+
+        def matrix(name: str, rows: int, cols: int) -> Tensor:
+            return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+        write_llama(out, RANDOM_1B, matrix, gguf.LlamaFileType.MOSTLY_F16)
+    return out
+
+
+# A matrix as `write_llama` adds it: an array gguf-py writes as is, or raw block bytes
+# `[rows, cols / block * block bytes]` with their quantization type.
+Tensor = np.ndarray | tuple[np.ndarray, gguf.GGMLQuantizationType]
+
+
+def write_llama(
+    out: Path,
+    shape: dict[str, int],
+    matrix: Callable[[str, int, int], Tensor],
+    file_type: gguf.LlamaFileType,
+) -> None:
+    """Write a Llama GGUF of `shape` (RANDOM_1B's keys) with the bundled tokenizer, taking each
+    weight matrix from `matrix(name, rows, cols)` and every norm as ones."""
+    h, inter = shape["hidden"], shape["intermediate"]
+    kv = shape["kv_heads"] * h // shape["heads"]
     tmp = out.with_suffix(".tmp")
     writer = gguf.GGUFWriter(tmp, "llama")
-    writer.add_name("random-llama-1b")
-    writer.add_block_count(s["layers"])
+    writer.add_name(out.stem)
+    writer.add_block_count(shape["layers"])
     writer.add_context_length(8192)
     writer.add_embedding_length(h)
     writer.add_feed_forward_length(inter)
-    writer.add_head_count(s["heads"])
-    writer.add_head_count_kv(s["kv_heads"])
-    writer.add_rope_dimension_count(h // s["heads"])
+    writer.add_head_count(shape["heads"])
+    writer.add_head_count_kv(shape["kv_heads"])
+    writer.add_rope_dimension_count(h // shape["heads"])
     writer.add_rope_freq_base(100000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(file_type)
     reader = gguf.GGUFReader(bundled_model_path())
     vocab = 0
     for key, field in reader.fields.items():
@@ -77,14 +98,17 @@ def random_llama(root: Path, seed: int = 0) -> Path:
             if key == "tokenizer.ggml.tokens":
                 vocab = len(field.contents())
     writer.add_vocab_size(vocab)
-    rng = np.random.default_rng(seed)
 
-    def matrix(rows: int, cols: int) -> np.ndarray:
-        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+    def add(name: str, rows: int, cols: int) -> None:
+        t = matrix(name, rows, cols)
+        if isinstance(t, tuple):
+            writer.add_tensor(name, t[0], raw_dtype=t[1])  # its shape: the bytes' shape
+        else:
+            writer.add_tensor(name, t)
 
-    writer.add_tensor("token_embd.weight", matrix(vocab, h))
+    add("token_embd.weight", vocab, h)
     writer.add_tensor("output_norm.weight", np.ones(h, np.float32))
-    for i in range(s["layers"]):
+    for i in range(shape["layers"]):
         for name, rows, cols in (
             ("attn_q", h, h),
             ("attn_k", kv, h),
@@ -94,7 +118,7 @@ def random_llama(root: Path, seed: int = 0) -> Path:
             ("ffn_up", inter, h),
             ("ffn_down", h, inter),
         ):
-            writer.add_tensor(f"blk.{i}.{name}.weight", matrix(rows, cols))
+            add(f"blk.{i}.{name}.weight", rows, cols)
         writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(h, np.float32))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(h, np.float32))
     writer.write_header_to_file()
@@ -102,7 +126,6 @@ def random_llama(root: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     tmp.rename(out)
-    return out
 
 
 def files(root: Path, names: list[str]) -> dict[str, Path]:

@@ -39,11 +39,11 @@ class EngineConfig:
     backend: str = "torch"
     dtype: str = "float32"
     # Weights kept quantized in memory (`models/loader.py`): "gguf" keeps a GGUF's Q4_0, Q4_1
-    # and Q8_0 blocks, "int8" quantizes to Q8_0 blocks at load; activations then run in
-    # float32 and the KV cache in `dtype`. CPU only. Products quantize their float32 rows to
-    # `quantized_activations` blocks of 32: "int16" precision (two int8 levels, within about
-    # 4e-5 of float) or "int8" (llama.cpp's, faster at large batches, about 1% off where a
-    # model has outlier features; `layers/csrc/qtile.h`).
+    # and Q8_0 blocks (Q4_K and Q6_K repacked into Q4_1 and Q8_0), "int8" quantizes to Q8_0
+    # blocks at load; activations then run in float32 and the KV cache in `dtype`. CPU only.
+    # Products quantize their float32 rows to `quantized_activations` blocks of 32: "int16"
+    # precision (two int8 levels, within about 4e-5 of float) or "int8" (llama.cpp's, faster
+    # at large batches, about 1% off where a model has outlier features; `layers/csrc/qtile.h`).
     quantization: str | None = None
     quantized_activations: str = "int16"
     device: str = "cpu"

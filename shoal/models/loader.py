@@ -3,14 +3,17 @@
 Where files lie and what a GGUF's config and tokenizer are is `shoal.models.files` (no torch).
 
 `quantization` keeps weights quantized in memory (`layers/quant_formats.py`): "gguf" keeps a
-GGUF's Q4_0, Q4_1 and Q8_0 tensors in their blocks (other types are dequantized to `dtype`);
+GGUF's Q4_0, Q4_1 and Q8_0 tensors in their blocks, Q4_K and Q6_K repacked into Q4_1 and Q8_0
+blocks (`layers/kquants.py`; other types are dequantized to `dtype`);
 "int8" quantizes every projection, the LM head and the embedding to Q8_0 blocks (weight-only
 int8, a scale per 32 values of each output channel). None dequantizes everything to `dtype`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +22,7 @@ import numpy as np
 import torch
 
 from shoal.errors import InvalidRequestError
+from shoal.layers.kquants import KQUANTS
 from shoal.layers.quant_formats import BLOCK, FORMATS, QuantizedWeight, from_gguf_blocks, quantize
 from shoal.models.config import ModelConfig
 from shoal.models.files import bundled_model_path, fingerprint_files, gguf_metadata
@@ -125,17 +129,24 @@ def _load_gguf(path: Path, dtype: torch.dtype, keep_blocks: bool) -> LoadedModel
             raise InvalidRequestError(f"GGUF file lacks tensor {gguf_name} ({hf_name})")
         t = tensors[gguf_name]
         matrix = len(t.shape) == 2
-        fmt = FORMATS.get(t.tensor_type.name.lower()) if keep_blocks and matrix else None
+        pack = _packer(t.tensor_type.name.lower()) if keep_blocks and matrix else None
         # Quantized rows are whole blocks: llama.cpp's q/k row order is undone on them as is.
-        w = t.data if fmt is not None else gguf.dequantize(t.data, t.tensor_type)
+        w = t.data if pack is not None else gguf.dequantize(t.data, t.tensor_type)
         if arch_name == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf_name else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
-        if fmt is not None:
-            weights[hf_name] = from_gguf_blocks(fmt, w, int(t.shape[0]))
+        if pack is not None:
+            weights[hf_name] = pack(w, int(t.shape[0]))
         else:
             weights[hf_name] = torch.from_numpy(np.array(w, copy=True)).to(dtype)
     return LoadedModel(path.stem, cfg, weights, dtype, tokenizer, fp)
+
+
+def _packer(type_name: str) -> Callable[[np.ndarray, int], QuantizedWeight] | None:
+    """How a GGUF tensor type stays quantized in memory (None: it is dequantized)."""
+    if type_name in FORMATS:
+        return functools.partial(from_gguf_blocks, FORMATS[type_name])
+    return KQUANTS.get(type_name)
 
 
 def _expected_hf_names(cfg: ModelConfig) -> list[str]:
