@@ -4,7 +4,10 @@ fit in any cache, so a decode step streams them from memory).
 
 Requantized files keep the token embedding (the tied LM head) in Q8_0, as the bundled file
 has it, and every other matrix in the named type (`llama-quantize --pure
---token-embedding-type q8_0`). Files are written once into the llama.cpp cache folder.
+--token-embedding-type q8_0`); a K-quant mix ("Q4_K_M", what ollama ships) keeps llama.cpp's
+mix (Q4_K, and Q6_K for some of the value and down projections). A matrix whose rows are not
+whole 256-value super-blocks (SmolLM2's 576) gets llama.cpp's fallback type. Files are written
+once into the llama.cpp cache folder.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def requantized(root: Path, source: Path, qtype: str) -> Path:
         cmd = [
             str(root / "build" / "bin" / "llama-quantize"),
             "--allow-requantize",
-            "--pure",
+            *(() if qtype.endswith(("_S", "_M", "_L")) else ("--pure",)),
             *("--token-embedding-type", "q8_0"),
             str(source),
             str(tmp),
