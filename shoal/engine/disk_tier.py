@@ -117,17 +117,22 @@ class DiskTier:
                 while self._pending_bytes + self.file_nbytes > self.max_pending_bytes:
                     if not pinned:
                         break
+                    self._start_writer()  # the queue drains only while it writes
                     self._cond.wait(1.0)
                 else:
                     self._pending[h] = _Write(payload, pinned)
                     self._pending_bytes += self.file_nbytes
                     continue
                 self.dropped += 1
-            if self._pending and self._writer is None:
-                self._writer = threading.Thread(
-                    target=self._write_all, name="shoal-kv-disk", daemon=True
-                )
-                self._writer.start()
+            self._start_writer()
+
+    def _start_writer(self) -> None:
+        """Start the writer thread if blocks are queued and none runs (the lock is held)."""
+        if self._pending and self._writer is None:
+            self._writer = threading.Thread(
+                target=self._write_all, name="shoal-kv-disk", daemon=True
+            )
+            self._writer.start()
 
     def flush(self, timeout: float = 120.0) -> bool:
         """Wait until every queued block is on disk; False on timeout."""

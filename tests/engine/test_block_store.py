@@ -4,6 +4,7 @@ bounds and evict unpinned blocks first, and a damaged block file is never used."
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -144,6 +145,20 @@ def test_disk_tier_evicts_to_its_cap_and_gives_up_the_oldest_pin_last(tmp_path: 
     assert disk.flush()
     assert disk.take_unpinned() == ["session:old"]  # only pins left: the oldest is given up
     assert sorted(disk.hashes()) == [b"v" * 16, b"w" * 16]
+
+
+def test_a_write_back_larger_than_the_queue_is_written_not_stuck(tmp_path: Path) -> None:
+    """Saving sessions at shutdown puts every pinned block in one call (`wait=True`): more than
+    the queue holds must wait for the writer, so the writer must be running while it waits."""
+    size = HEADER.size + 16
+    disk = DiskTier(tmp_path, 16, cap_bytes=1 << 20, pins=Pins(), max_pending_bytes=2 * size)
+    blocks = [(bytes([i]) * 16, bytes([i]) * 16) for i in range(12)]
+    putter = threading.Thread(target=disk.put, args=(blocks,), kwargs={"wait": True}, daemon=True)
+    putter.start()
+    putter.join(timeout=60)  # a liveness bound: it returns as soon as ten blocks are written
+    assert not putter.is_alive(), "put(wait=True) waited for a writer that was never started"
+    assert disk.flush()
+    assert sorted(disk.hashes()) == sorted(h for h, _ in blocks) and disk.dropped == 0
 
 
 def test_block_files_refuse_another_blocks_file(tmp_path: Path) -> None:
