@@ -110,16 +110,26 @@ class QuantizedWeight:
         each part but the last must have a multiple of 8 rows."""
         if len(parts) == 1:
             return parts[0]
-        assert can_fuse(parts)
         fmt, k = parts[0].fmt, parts[0].k
+        assert all(p.fmt == fmt and p.k == k for p in parts)
+        assert all(p.n % GROUP == 0 for p in parts[:-1])
         data = torch.cat([p.data for p in parts])
         return QuantizedWeight(fmt, sum(p.n for p in parts), k, data)
 
 
-def can_fuse(parts: list[QuantizedWeight]) -> bool:
-    fmt, k = parts[0].fmt, parts[0].k
-    aligned = all(p.n % GROUP == 0 for p in parts[:-1])
-    return aligned and all(p.fmt == fmt and p.k == k for p in parts)
+def runs(parts: list[QuantizedWeight]) -> list[QuantizedWeight]:
+    """The rows of `parts` (one product's q/k/v or gate/up, each `[n_i, k]`) as few weights of
+    one format each, in row order: consecutive parts in one format are stacked. A GGUF mix
+    stores parts of one product in different formats (a Q4_K_M file's v in Q6_K beside q and
+    k in Q4_K); each run stays in its own blocks rather than all of them being dequantized."""
+    out: list[list[QuantizedWeight]] = []
+    for p in parts:
+        last = out[-1] if out else None
+        if last is not None and last[0].fmt == p.fmt and last[-1].n % GROUP == 0:
+            last.append(p)
+        else:
+            out.append([p])
+    return [QuantizedWeight.cat(run) for run in out]
 
 
 def from_gguf_blocks(fmt: QuantFormat, raw: np.ndarray, k: int) -> QuantizedWeight:

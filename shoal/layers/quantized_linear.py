@@ -11,13 +11,15 @@ call, slow but exact to its blocks.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from shoal.layers import cpu_kernels, quant_kernels
 from shoal.layers.linear import GateUpProjection, Linear
-from shoal.layers.quant_formats import QuantizedWeight, can_fuse
+from shoal.layers.quant_formats import QuantizedWeight, runs
 
 Weight = torch.Tensor | QuantizedWeight
 
@@ -34,29 +36,38 @@ class QuantizedLinear(nn.Module):
     """`levels`: float32 rows are quantized in blocks of 32 to one int8 level per value
     (llama.cpp's activations: faster where products are compute-bound, at large batches, and
     about 1% off on models with outlier features) or two (the default: the rounding residual
-    too, about int16's precision, products within ~4e-5 of float). See `csrc/qtile.h`."""
+    too, about int16's precision, products within ~4e-5 of float). See `csrc/qtile.h`.
 
-    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+    The weight is one or more `runs` of rows, each in one format (`quant_formats.runs`): the
+    rows are quantized once and each run writes its columns of the output."""
+
+    def __init__(self, weights: list[QuantizedWeight], bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.qweight = weight
+        self.runs = weights
+        self.k, self.n = weights[0].k, sum(w.n for w in weights)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self.levels = 2
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.qweight
         kernels = cpu_kernels.native() if x.device.type == "cpu" else None
         if kernels is None or x.dtype != torch.float32:
+            weight = torch.cat([w.dequantize(x.dtype) for w in self.runs]).to(x.device)
             bias = None if self.bias is None else self.bias.to(x.dtype)
-            return F.linear(x, w.dequantize(x.dtype).to(x.device), bias)
-        rows = x.reshape(-1, w.k)
+            return F.linear(x, weight, bias)
+        rows = x.reshape(-1, self.k)
         if rows.stride(1) != 1:
             rows = rows.contiguous()
+        biases: list[torch.Tensor | None] = [None] * len(self.runs)
+        if self.bias is not None:
+            biases = list(self.bias.split([w.n for w in self.runs]))
         if self.levels == 2 and rows.shape[0] >= DEQUANTIZED_ROWS and kernels.has_gemm(x.dtype):
-            out = quant_kernels.dequantizing_gemm(kernels, rows, w, self.bias)
+            product = functools.partial(quant_kernels.dequantizing_gemm, kernels, rows)
         else:
             q, blocks = quant_kernels.quantize_rows(kernels, rows, self.levels)
-            out = quant_kernels.qgemm(kernels, q, blocks, w, self.bias)
-        return out.view(*x.shape[:-1], w.n)
+            product = functools.partial(quant_kernels.qgemm, kernels, q, blocks)
+        outs = [product(w, b) for w, b in zip(self.runs, biases, strict=True)]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+        return out.view(*x.shape[:-1], self.n)
 
 
 class QuantizedGateUp(QuantizedLinear):
@@ -75,12 +86,12 @@ def projection(
     parts: list[Weight], dtype: torch.dtype, bias: torch.Tensor | None = None, gate_up: bool = False
 ) -> nn.Module:
     """One product over the rows of `parts` (q/k/v, gate/up, or a single weight): quantized
-    where every part is in one quantized format, else float in `dtype` (parts in different
-    formats, as some GGUF mixes have, are dequantized)."""
+    where every part is quantized (in runs of one format), else float in `dtype` (a quantized
+    part beside a float one is dequantized)."""
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
-    if len(quantized) == len(parts) and can_fuse(quantized):
+    if len(quantized) == len(parts):
         cls = QuantizedGateUp if gate_up else QuantizedLinear
-        return cls(QuantizedWeight.cat(quantized), bias)
+        return cls(runs(quantized), bias)
     floats = [p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts]
     weight = torch.cat(floats) if len(floats) > 1 else floats[0]
     return GateUpProjection(weight, bias) if gate_up else Linear(weight, bias)
@@ -105,6 +116,7 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
         if isinstance(m, Linear) and m._packed is not None:  # the kernel's copy, beside it
             add(str(m._packed[0].dtype).removeprefix("torch."), m._packed[0])
         for value in vars(m).values():
-            if isinstance(value, QuantizedWeight):
-                add(value.fmt.name, value.data)
+            for w in value if isinstance(value, list) else [value]:
+                if isinstance(w, QuantizedWeight):
+                    add(w.fmt.name, w.data)
     return out

@@ -19,7 +19,7 @@ import torch
 
 from shoal.layers import cpu_kernels
 from shoal.layers.attention import AttentionMetadata
-from shoal.layers.quant_formats import FORMAT_IDS, QuantizedWeight
+from shoal.layers.quant_formats import FORMAT_IDS
 from shoal.layers.quantized_linear import QuantizedGateUp, QuantizedLinear
 
 if TYPE_CHECKING:
@@ -29,18 +29,25 @@ _I64, _P = ctypes.c_int64, ctypes.c_void_p
 _STEPS = {torch.float32: "decode_step_f32", torch.bfloat16: "decode_step_bf16kv"}
 
 
+RUNS = 3  # of one format a product may have (a GGUF mix's q/k/v: up to three)
+
+
 class _QWeight(ctypes.Structure):
     _fields_ = [("data", _P), ("n", _I64), ("k", _I64), ("fmt", _I64)]
+
+
+class _Product(ctypes.Structure):
+    _fields_ = [("runs", _QWeight * RUNS)]  # n == 0 ends the list
 
 
 class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _P),
         ("post_norm", _P),
-        ("qkv", _QWeight),
-        ("o", _QWeight),
-        ("gate_up", _QWeight),
-        ("down", _QWeight),
+        ("qkv", _Product),
+        ("o", _Product),
+        ("gate_up", _Product),
+        ("down", _Product),
         ("qkv_bias", _P),
         ("k_cache", _P),
         ("v_cache", _P),
@@ -57,10 +64,10 @@ class _Dims(ctypes.Structure):
     ]
 
 
-def _qweight(module: torch.nn.Module) -> _QWeight:
+def _product(module: torch.nn.Module) -> _Product:
     assert isinstance(module, QuantizedLinear)
-    w: QuantizedWeight = module.qweight
-    return _QWeight(w.data.data_ptr(), w.n, w.k, FORMAT_IDS[w.fmt.name])
+    runs = [_QWeight(w.data.data_ptr(), w.n, w.k, FORMAT_IDS[w.fmt.name]) for w in module.runs]
+    return _Product((_QWeight * RUNS)(*runs))
 
 
 def _layers(model: LlamaForCausalLM) -> list[DecoderLayer]:
@@ -82,7 +89,7 @@ def supported(model: LlamaForCausalLM) -> bool:
     for layer in _layers(model):
         attn, mlp = layer.self_attn, layer.mlp
         projections = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-        if not all(isinstance(p, QuantizedLinear) for p in projections):
+        if not all(isinstance(p, QuantizedLinear) and len(p.runs) <= RUNS for p in projections):
             return False
         if not isinstance(mlp.gate_up_proj, QuantizedGateUp):
             return False
@@ -114,10 +121,10 @@ class FusedDecode:
                     _Layer(
                         layer.input_layernorm.weight.data_ptr(),
                         layer.post_attention_layernorm.weight.data_ptr(),
-                        _qweight(attn.qkv_proj),
-                        _qweight(attn.o_proj),
-                        _qweight(mlp.gate_up_proj),
-                        _qweight(mlp.down_proj),
+                        _product(attn.qkv_proj),
+                        _product(attn.o_proj),
+                        _product(mlp.gate_up_proj),
+                        _product(mlp.down_proj),
                         None if bias is None else bias.data_ptr(),
                         attn.k_cache.data_ptr(),
                         attn.v_cache.data_ptr(),

@@ -19,6 +19,7 @@ from kquant_blocks import TYPES, equal_scale_pairs, random_kquant
 from shoal import LLM, SamplingParams
 from shoal.layers.kquants import KQUANTS, q4_k_as_q4_1, q6_k_as_q8_0
 from shoal.layers.quant_formats import QuantizedWeight
+from shoal.layers.quantized_linear import QuantizedLinear
 from shoal.models.loader import load_model
 
 
@@ -88,16 +89,17 @@ def _write_gguf_module() -> ModuleType:
 
 @pytest.fixture(scope="module")
 def kquant_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-layer Llama GGUF as a Q4_K_M file has it: Q4_K projections, Q6_K `ffn_down`, a float16
-    embedding; every scale exact after repacking, so the file's own dequantized weights are the
-    ones shoal's products use."""
+    """A 2-layer Llama GGUF as a Q4_K_M file has it: Q4_K projections, Q6_K `ffn_down` and the
+    first layer's `attn_v` (so its q/k/v product is in two formats), a float16 embedding; every
+    scale exact after repacking, so the file's own dequantized weights are the ones shoal's
+    products use."""
     files = _write_gguf_module()
     rng = np.random.default_rng(0)
 
     def matrix(name: str, rows: int, cols: int) -> Any:
         if name == "token_embd.weight":
             return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float16)
-        kind = "q6_k" if "ffn_down" in name else "q4_k"
+        kind = "q6_k" if "ffn_down" in name or name == "blk.0.attn_v.weight" else "q4_k"
         raw = random_kquant(kind, rows, cols, seed=int(rng.integers(1 << 30)), scale=2**-4)
         return (equal_scale_pairs(raw) if kind == "q6_k" else raw), TYPES[kind]
 
@@ -125,3 +127,29 @@ def test_a_q4_k_m_file_stays_quantized_and_follows_float64_of_its_weights(
     outs = zip(quantized.generate(prompts, params), expected.generate(prompts, params), strict=True)
     same = sum(a.token_ids == b.token_ids for a, b in outs)
     assert same >= 3, f"{same}/4 equal"  # int8 activations may flip a near-tie
+
+
+def test_a_product_in_two_formats_stays_in_its_blocks_and_decodes_fused(
+    kquant_model: Path,
+) -> None:
+    """The first layer's q/k/v are Q4_1 and Q8_0 blocks: one product of two runs, not a float
+    weight, and the fused decode step (which takes runs) computes what the per-op path does."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    prompts = [[int(t) for t in np.random.default_rng(2).integers(3, 40_000, 16)]] * 3
+    fused = LLM(str(kquant_model), quantization="gguf", kv_cache_bytes=8 << 20)
+    model = fused.engine.runner.model
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert isinstance(qkv, QuantizedLinear)
+    assert [(w.fmt.name, w.n) for w in qkv.runs] == [("q4_1", 256 + 128), ("q8_0", 128)]
+    assert model.fused is not None
+    assert set(fused.stats().weight_bytes) == {
+        "q4_1",
+        "q8_0",
+        "float32",
+    }  # float32: norms, embedding
+    per_op = LLM(str(kquant_model), quantization="gguf", kv_cache_bytes=8 << 20)
+    per_op.engine.runner.model.fused = None
+    a, b = fused.generate(prompts, params), per_op.generate(prompts, params)
+    for x, y in zip(a, b, strict=True):
+        assert x.token_ids == y.token_ids
+        np.testing.assert_allclose(x.logprobs, y.logprobs, atol=2e-2)

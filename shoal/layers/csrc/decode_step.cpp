@@ -44,10 +44,16 @@ struct QWeight {  // a weight packed by quant_formats.py
   int64_t n, k, fmt;
 };
 
+// A projection's rows as runs of one format each, in row order (a GGUF mix keeps a Q4_K_M
+// file's v in other blocks than its q and k); n == 0 ends the list.
+struct Product {
+  QWeight runs[3];
+};
+
 struct Layer {
   const float* input_norm;
   const float* post_norm;
-  QWeight qkv, o, gate_up, down;
+  Product qkv, o, gate_up, down;
   const float* qkv_bias;  // or null
   void* k_cache;          // [blocks, block_size, kv_heads, dim] of the step's KV type
   void* v_cache;
@@ -102,12 +108,18 @@ void decode_step(const Layer* layers, const Dims& d, float* x, int64_t batch,
     // row (a few thousand values at small batches): no barrier before those products.
     std::vector<float> residual(batch * h), scratch(std::max(h, d.inter)), scores, acc;
     Quantized mine(int(d.levels), batch, std::max(h, d.inter));
-    auto product = [&](const Quantized& in, const QWeight& w, float* out, int64_t ldc,
+    // Each run's groups of rows are split over the threads; the run writes its columns.
+    auto product = [&](const Quantized& in, const Product& p, float* out, int64_t ldc,
                        const float* bias) {
-      const int64_t groups = (w.n + kRows - 1) / kRows;
-      shoal::quant::qgemm_groups(Fmt(w.fmt), in.levels, in.q.data(), in.blocks.data(), batch,
-                                 w.k, w.data, w.n, out, ldc, bias, groups * t / nt,
-                                 groups * (t + 1) / nt);
+      int64_t col = 0;
+      for (const QWeight& w : p.runs) {
+        if (w.n == 0) break;
+        const int64_t groups = (w.n + kRows - 1) / kRows;
+        shoal::quant::qgemm_groups(Fmt(w.fmt), in.levels, in.q.data(), in.blocks.data(), batch,
+                                   w.k, w.data, w.n, out + col, ldc, bias ? bias + col : nullptr,
+                                   groups * t / nt, groups * (t + 1) / nt);
+        col += w.n;
+      }
     };
     auto norms = [&](const float* w, bool first) {
       for (int64_t b = 0; b < batch; ++b)
