@@ -51,6 +51,16 @@ RESPONSES_TTFT = {
                              "chat completions": 2.02, "vLLM CPU chained": 2.83},
 }  # fmt: skip
 
+# "W3: an agent fleet" (Zen 3): mean TTFT of each turn in seconds, a restart after turn 8.
+W3_TTFT = {
+    "shoal, KV store in tiers": [25.86, 18.17, 26.08, 21.14, 22.93, 28.13, 33.43, 39.15,
+                                 45.46, 43.64],
+    "shoal, pool only": [17.71, 15.35, 28.04, 62.03, 73.42, 92.83, 120.79, 136.96, 166.91,
+                         161.41],
+    "vLLM CPU, prefix caching": [29.92, 20.56, 29.56, 79.38, 104.36, 128.98, 140.10, 176.49,
+                                 216.04, 249.76],
+}  # fmt: skip
+
 # "Sessions across replicas" (Zen 4): each setup's time over session-affine routing's.
 CLUSTER_A = {"total": 78.3, "ttft": 5.43}
 CLUSTER = {
@@ -82,6 +92,13 @@ def main() -> None:
         "An agent over the Responses API, 8 turns (Zen 3)",
         RESPONSES_TTFT,
         "seconds",
+    )
+    plotting.lines(
+        out / "w3_fleet.png",
+        "W3: 32 agents, full resend, restart after turn 8 (Zen 3)",
+        {who: (range(1, len(ttft) + 1), ttft) for who, ttft in W3_TTFT.items()},
+        "turn",
+        "mean TTFT (s)",
     )
     relative = {
         "total time": {k: v["total"] / CLUSTER_A["total"] for k, v in CLUSTER.items()},

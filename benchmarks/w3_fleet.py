@@ -68,7 +68,8 @@ def wave(llm: LLM, histories: list[list[int]], users: list[list[int]], gen: int)
     return Turn(seconds, [o.metrics["first_token_time"] - o.metrics["arrival_time"] for o in outs])
 
 
-def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> list[Turn]:
+def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> tuple[list[Turn], int]:
+    """The turns, and the bytes of the model's weights."""
     system, users = conversation(args)
     histories = [list(system) for _ in range(args.agents)]
     with tempfile.TemporaryDirectory(prefix="shoal-w3-") as cache_dir:
@@ -80,14 +81,14 @@ def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> list[Turn
             host_kv_bytes=int(args.host_gib * GiB) if tiers else 0,
             disk_kv_bytes=int(args.disk_gib * GiB) if tiers else 0,
         )
-        llm = LLM(**kw)  # type: ignore[arg-type]
+        llm = LLM(**kw)
         turns: list[Turn] = []
         for t in range(args.turns + args.after):
             if t == args.turns:
                 llm.close()  # a clean stop: what the store holds goes to disk
                 del llm
                 gc.collect()
-                llm = LLM(**kw)  # type: ignore[arg-type]
+                llm = LLM(**kw)
             turns.append(wave(llm, histories, users[t], args.gen))
             name = "shoal tiers" if tiers else "shoal pool only"
             print(
@@ -103,7 +104,7 @@ def run_shoal(args: argparse.Namespace, tiers: bool, kv_bytes: int) -> list[Turn
             f"disk {s.kv_disk_bytes / GiB:.2f} GiB"
         )
         llm.close()
-    return turns
+    return turns, sum(s.weight_bytes.values())
 
 
 def run_vllm(args: argparse.Namespace, root: Path, kv_gib: int) -> list[Turn]:
@@ -157,9 +158,9 @@ def main() -> None:
         f"{args.dtype}, {torch.get_num_threads()} threads"
     )
     vllm_root = None if args.skip_vllm else vllm_peer.setup(REPO)
-    tiers = run_shoal(args, True, kv_bytes)
+    tiers, weights = run_shoal(args, True, kv_bytes)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / (1 << 20)
-    pool_only = run_shoal(args, False, kv_bytes)
+    pool_only, _ = run_shoal(args, False, kv_bytes)
     vllm = None if vllm_root is None else run_vllm(args, vllm_root, vllm_gib)
     n, end = args.turns, args.turns + args.after
     for label, a, b in ((f"turns 2-{n}", 1, n), ("after restart", n, end)):
@@ -178,7 +179,11 @@ def main() -> None:
             f", vLLM {summary(vllm, 0, end)[0]:6.1f} s ({summary(vllm, 0, end)[0] / total:4.1f}x)"
         )
     print(line)
-    print(f"peak RSS of this process after the tiered run: {rss:.2f} GiB")
+    budget = (weights + kv_bytes + args.host_gib * GiB) / GiB
+    print(
+        f"peak RSS of this process after the tiered run: {rss:.2f} GiB; weights + KV pool + "
+        f"host tier cap: {budget:.2f} GiB (the rest is torch and the steps' buffers)"
+    )
     ways = {"shoal, KV store in tiers": tiers, "shoal, pool only": pool_only}
     if vllm is not None:
         ways["vLLM CPU, prefix caching"] = vllm

@@ -20,8 +20,8 @@ restart and on another machine. SGLang's HiCache is the model: one cache, severa
 
 from __future__ import annotations
 
-import queue
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -87,9 +87,10 @@ class BlockStore:
         self.shared = shared
         self.pins = host.pins
         self.stats = StoreStats()
-        self._prefetch: queue.SimpleQueue[list[bytes]] = queue.SimpleQueue()
+        self._prefetch: deque[list[bytes]] = deque()
         self._prefetched: dict[bytes, str] = {}  # read up ahead of use: the tier it came from
-        self._prefetcher: threading.Thread | None = None
+        self._prefetcher: threading.Thread | None = None  # runs only while there is work
+        self._prefetch_lock = threading.Lock()
         pool.on_evict = self.demote
 
     # -- down --------------------------------------------------------------------------------
@@ -155,16 +156,24 @@ class BlockStore:
         host memory, on a thread: a waiting request's admission then only copies."""
         if not hashes:
             return
-        self._prefetch.put(hashes)
-        if self._prefetcher is None:
-            self._prefetcher = threading.Thread(
-                target=self._prefetch_all, name="shoal-kv-prefetch", daemon=True
-            )
-            self._prefetcher.start()
+        with self._prefetch_lock:
+            self._prefetch.append(hashes)
+            if self._prefetcher is None:
+                self._prefetcher = threading.Thread(
+                    target=self._prefetch_all, name="shoal-kv-prefetch", daemon=True
+                )
+                self._prefetcher.start()
 
     def _prefetch_all(self) -> None:
+        """Read what is queued, then end: an idle thread would keep the store (and through
+        the codec the model and its pool) alive after the engine closes."""
         while True:
-            for h in self._prefetch.get():
+            with self._prefetch_lock:
+                if not self._prefetch:
+                    self._prefetcher = None
+                    return
+                hashes = self._prefetch.popleft()
+            for h in hashes:
                 if h in self.host:
                     continue
                 got = self._read(h)
@@ -179,15 +188,19 @@ class BlockStore:
         """Put every block the pool caches or host memory holds on disk too (an idle engine,
         or one closing), so a restart finds every prefix; returns how many were queued."""
         items = [(h, b) for h, b in self.pool.cached() if h not in self.disk]
-        payloads = self.codec.read_blocks([b for _, b in items]) if items else []
-        queued = [(h, p) for (h, _), p in zip(items, payloads, strict=True)]
+        step = max(1, self.disk.max_pending_bytes // self.disk.file_nbytes)
+        for i in range(0, len(items), step):  # a copy of the whole pool at once would not fit
+            part = items[i : i + step]
+            payloads = self.codec.read_blocks([b for _, b in part])
+            self.disk.put([(h, p) for (h, _), p in zip(part, payloads, strict=True)], wait=True)
+        hosted = []
         for h in self.host.hashes():
             if h not in self.disk and (p := self.host.get(h)) is not None:
-                queued.append((h, p))
-        self.stats.tiers["disk"].demotions += len(queued)
-        self.disk.put(queued, wait=True)
+                hosted.append((h, p))
+        self.disk.put(hosted, wait=True)
+        self.stats.tiers["disk"].demotions += len(items) + len(hosted)
         self.disk.flush()
-        return len(queued)
+        return len(items) + len(hosted)
 
     def persist(self, hashes: list[bytes], block_ids: dict[bytes, int]) -> int:
         """Put the leading `hashes` on disk (from host memory, or from the pool blocks named in

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from shoal.engine.cuda_graphs import DecodeGraphs, DecodeRows
-from shoal.engine.host_memory import keep_freed_memory
+from shoal.engine.host_memory import keep_freed_memory, return_freed_memory
 from shoal.engine.output_processor import Sampled
 from shoal.engine.sampler import sample, verify_drafts
 from shoal.engine.scheduler import ScheduledBatch
@@ -37,6 +37,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         if self.device.type == "cpu":
+            return_freed_memory()  # what an engine closed before this one left
             keep_freed_memory()
         cfg = model.config
         dtype = model.dtype

@@ -4,7 +4,9 @@ bounds and evict unpinned blocks first, and a damaged block file is never used."
 
 from __future__ import annotations
 
+import gc
 import threading
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,8 @@ import pytest
 
 from shoal import Engine, SamplingParams
 from shoal.engine.block_files import HEADER, BlockFiles
+from shoal.engine.block_pool import BlockPool
+from shoal.engine.block_store import BlockStore
 from shoal.engine.disk_tier import DiskTier
 from shoal.engine.host_tier import HostTier
 from shoal.engine.pins import Pins
@@ -75,6 +79,25 @@ def test_a_full_resend_without_a_session_is_served_from_any_tier(
         history = history + out.token_ids
         engine = eng
     assert got == expected
+
+
+def test_a_closed_engine_that_read_from_disk_is_freed(model: Path, tmp_path: Path) -> None:
+    """A restart in the same process (a server reloading, a benchmark) must not keep the old
+    engine's model, pool and host memory: the disk prefetch thread ends when it has read."""
+    first = make_engine(model, cache_dir=str(tmp_path))
+    run(first, [list(range(10, 50))])
+    first.close()
+    second = make_engine(model, cache_dir=str(tmp_path))
+    (out,) = run(second, [list(range(10, 54))])  # read from disk, ahead of admission
+    assert second.stats().kv_disk_promotions > 0
+    runner = weakref.ref(second.runner)
+    second.close()
+    del second, out
+    for t in threading.enumerate():
+        if t.name == "shoal-kv-prefetch":
+            t.join(timeout=60)  # a bound, not a wait for speed: it ends once its queue is read
+    gc.collect()
+    assert runner() is None
 
 
 def test_sessions_sharing_a_prefix_store_it_once(model: Path, tmp_path: Path) -> None:
@@ -159,6 +182,40 @@ def test_a_write_back_larger_than_the_queue_is_written_not_stuck(tmp_path: Path)
     assert not putter.is_alive(), "put(wait=True) waited for a writer that was never started"
     assert disk.flush()
     assert sorted(disk.hashes()) == sorted(h for h, _ in blocks) and disk.dropped == 0
+
+
+class CountingCodec:
+    """A `BlockCodec` of 16-byte blocks that remembers how many it copied out at once."""
+
+    block_nbytes = 16
+
+    def __init__(self) -> None:
+        self.largest_read = 0
+
+    def read_blocks(self, block_ids: list[int]) -> list[bytes]:
+        self.largest_read = max(self.largest_read, len(block_ids))
+        return [bytes([b]) * 16 for b in block_ids]
+
+    def write_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        raise AssertionError("a write-back only reads")
+
+    def copy_block(self, src: int, dst: int) -> None:
+        raise AssertionError("a write-back only reads")
+
+
+def test_a_write_back_copies_the_pool_a_queue_at_a_time(tmp_path: Path) -> None:
+    """Closing an engine puts its whole pool on disk; a copy of the whole pool at once would
+    cost its size again in host memory, so it goes a queue's worth at a time."""
+    pool = BlockPool(40, BLOCK)
+    for b in pool.allocate(40):
+        pool.cache(b, bytes([b]) * 16)
+    size = HEADER.size + 16
+    pins = Pins()
+    disk = DiskTier(tmp_path, 16, cap_bytes=1 << 20, pins=pins, max_pending_bytes=4 * size)
+    codec = CountingCodec()
+    store = BlockStore(pool, codec, HostTier(0, pins), disk)
+    assert store.write_back() == 40
+    assert len(disk) == 40 and codec.largest_read <= 4
 
 
 def test_block_files_refuse_another_blocks_file(tmp_path: Path) -> None:
