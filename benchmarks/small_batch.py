@@ -166,19 +166,18 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
         *("-t", str(threads), "-tb", str(threads)),
         *("-fa", "on", "-no-kvu"),
     ]
-    with tempfile.TemporaryFile("w+") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
-        peak = 0.0
-        while proc.poll() is None:  # the peak so far, until it exits
-            try:
-                peak = max(peak, _status_mib("VmHWM", proc.pid))
-            except OSError:
-                break
-            time.sleep(0.2)
-        if proc.wait():
-            raise RuntimeError(f"llama-batched-bench failed ({proc.returncode}): {cmd}")
-        out.seek(0)
-        text = out.read()
+    text, peak, rc = _run_peak(cmd)
+    note = ""
+    if rc < 0:
+        # llama.cpp's AMX products (an "extra buffer type", on with repacking) crash in
+        # ggml_backend_amx_mul_mat on some AMX machines (llama.cpp #20824, open; seen on an
+        # Emerald Rapids VM): its AVX-512 kernels on the file's own layout run instead.
+        note = f"llama.cpp's repacked (AMX) kernels crashed (signal {-rc}): ran with --no-repack"
+        print(note, file=sys.stderr)
+        cmd.append("--no-repack")
+        text, peak, rc = _run_peak(cmd)
+    if rc:
+        raise RuntimeError(f"llama-batched-bench failed ({rc}): {cmd}")
     # | PP | TG | B | N_KV | T_PP s | S_PP t/s | T_TG s | S_TG t/s | T s | S t/s |
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("|")]
     per_batch = {}
@@ -190,7 +189,22 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
                 "ttft": float(cells[4]),
                 "decode": float(cells[7]),
             }
-    return {"batches": per_batch, "rss_peak_mib": peak, "command": cmd}
+    return {"batches": per_batch, "rss_peak_mib": peak, "command": cmd, "note": note}
+
+
+def _run_peak(cmd: list[str]) -> tuple[str, float, int]:
+    """`cmd`'s stdout, its peak RSS in MiB and its exit status."""
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.DEVNULL, text=True)
+        peak = 0.0
+        while proc.poll() is None:  # the peak so far, until it exits
+            try:
+                peak = max(peak, _status_mib("VmHWM", proc.pid))
+            except OSError:
+                break
+            time.sleep(0.2)
+        out.seek(0)
+        return out.read(), peak, proc.wait()
 
 
 def read_bandwidth() -> float:

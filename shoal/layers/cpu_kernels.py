@@ -50,6 +50,8 @@ class CpuKernels:
         self.isa: str = lib.shoal_isa().decode()
         # bfloat16 prefill tiles on AMX: built for it, and the OS lent this process the tiles.
         self.amx_tiles: bool = bool(lib.shoal_amx_tiles())
+        # Quantized products of 16 rows or more on AMX-INT8 tiles (`csrc/qtile_amx.h`).
+        self.amx_int8: bool = bool(lib.shoal_qgemm_amx())
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is not None:

@@ -29,6 +29,7 @@ ACTIVATIONS = {"int16": 2, "int8": 1}
 # From this many rows (prefill), two-level products run as float32 products over the weight
 # dequantized a panel at a time: as fast as float32 weights from 32 rows on a Zen 3 core, where
 # two levels ran at 0.6-0.9x of it (`benchmarks/small_batch.py` measures the whole model).
+# Not with AMX-INT8, whose tiles take both levels faster than any float32 product.
 DEQUANTIZED_ROWS = 32
 
 
@@ -60,7 +61,12 @@ class QuantizedLinear(nn.Module):
         biases: list[torch.Tensor | None] = [None] * len(self.runs)
         if self.bias is not None:
             biases = list(self.bias.split([w.n for w in self.runs]))
-        if self.levels == 2 and rows.shape[0] >= DEQUANTIZED_ROWS and kernels.has_gemm(x.dtype):
+        if (
+            self.levels == 2
+            and rows.shape[0] >= DEQUANTIZED_ROWS
+            and kernels.has_gemm(x.dtype)
+            and not kernels.amx_int8
+        ):
             product = functools.partial(quant_kernels.dequantizing_gemm, kernels, rows)
         else:
             q, blocks = quant_kernels.quantize_rows(kernels, rows, self.levels)

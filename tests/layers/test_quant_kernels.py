@@ -1,7 +1,8 @@
 """The quantized products agree with a float64 reference of their dequantized operands on every
 build this CPU runs: the native one, AVX2 (VPMADDUBSW), the VNNI builds (VPDPBUSD, AVX-VNNI
-and AVX-512 VNNI; skipped with the reason on CPUs without them) and the portable one. The
-VNNI builds are compiled on every x86 machine, so their code at least builds and dispatches."""
+and AVX-512 VNNI), the AMX build (tiles for 16 rows and more; each skipped with the reason on
+CPUs without it) and the portable one. The VNNI and AMX builds are compiled on every x86
+machine, so their code at least builds and dispatches."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ TARGETS = {
     "x86-64-v3": ("avx2", AVX2, "no AVX2 + FMA"),
     "x86-64-v3+avxvnni": ("avxvnni", AVX2 | {"avx_vnni"}, "no AVX-VNNI"),
     "x86-64-v4+avx512vnni": ("avx512vnni", {"avx512_vnni"}, "no AVX-512 VNNI"),
+    "sapphirerapids": ("avx512vnni", {"avx512_vnni", "amx_int8", "amx_bf16"}, "no AMX-INT8"),
     "x86-64": ("generic", set(), ""),
 }
 
@@ -34,7 +36,8 @@ def _builds() -> list:
     params = [pytest.param("native", id="native")]
     for target, (isa, _, why) in TARGETS.items():
         skip = pytest.mark.skipif(not _runs(target), reason=f"this CPU has {why}")
-        params.append(pytest.param(target, id=isa, marks=skip))
+        name = "amx" if target == "sapphirerapids" else isa
+        params.append(pytest.param(target, id=name, marks=skip))
     return params
 
 
@@ -63,12 +66,17 @@ def test_each_build_multiplies_with_its_dot_product(kernels: CpuKernels) -> None
         assert isa == (_expected_native_isa() if is_x86() else "generic")
     else:
         assert isa == TARGETS[kernels.march][0]
+    # AMX tiles for 16 rows and more where the build has them and Linux lends them (it does on
+    # every AMX machine this suite has run on).
+    amx = kernels.march in ("native", "sapphirerapids") and "amx_int8" in cpu_flags()
+    assert kernels.amx_int8 == amx
 
 
 @pytest.mark.skipif(not is_x86(), reason="x86 targets")
-@pytest.mark.parametrize("target", ["x86-64-v3+avxvnni", "x86-64-v4+avx512vnni"])
+@pytest.mark.parametrize("target", ["x86-64-v3+avxvnni", "x86-64-v4+avx512vnni", "sapphirerapids"])
 def test_vnni_builds_compile_and_pick_vnni_everywhere(target: str) -> None:
-    """Where the CPU cannot run them, the build still compiles and selects VPDPBUSD."""
+    """Where the CPU cannot run them, the builds still compile and select VPDPBUSD (the AMX
+    build for fewer than 16 rows)."""
     if kernel_library.compiler() is None:
         pytest.skip("no C++ compiler")
     path = kernel_library.compiled(target)
@@ -96,12 +104,16 @@ def test_rows_quantize_to_the_nearest_level(kernels: CpuKernels, levels: int) ->
 
 @pytest.mark.parametrize("levels", [1, 2])
 @pytest.mark.parametrize("name", sorted(FORMATS))
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 8, 32), (3, 21, 64), (6, 40, 96), (70, 19, 160)])
+@pytest.mark.parametrize(
+    ("m", "n", "k"),
+    [(1, 8, 32), (3, 21, 64), (6, 40, 96), (16, 8, 32), (70, 19, 160), (275, 37, 64)],
+)
 def test_products_match_float64_of_the_dequantized_operands(
     kernels: CpuKernels, name: str, m: int, n: int, k: int, levels: int
 ) -> None:
     """Rows 1-6 cover every tile height, 70 a second block of rows; n not a multiple of 8
-    leaves a partial group."""
+    leaves a partial group. With AMX, 16 rows are one tile, 70 four and six rows left over,
+    275 a second block of 256 rows, and 37 columns two panels and a partial third."""
     torch.manual_seed(m * n + k)
     weight = quantize(torch.randn(n, k), FORMATS[name])
     x = torch.randn(m, k)

@@ -13,6 +13,7 @@
 #include "quant_blocks.h"
 #include "quant_ops.h"
 #include "qtile.h"
+#include "qtile_amx.h"
 
 namespace {
 
@@ -45,12 +46,26 @@ void groups_of(const int8_t* a, const ActBlock* act, int64_t m, int64_t k, const
   }
 }
 
+// With AMX-INT8, whole tiles of 16 rows go to the tiles (qtile_amx.h), the rest to qtile.h.
+template <Fmt F, int LEVELS>
+void rows_of(const int8_t* a, const ActBlock* act, int64_t m, int64_t k, const uint8_t* w,
+             int64_t n, float* c, int64_t ldc, const float* bias, int64_t g0, int64_t g1) {
+#if SHOAL_HAS_AMX_INT8
+  if (m >= 16 && shoal::amx_ready()) {
+    amx_groups<F, LEVELS>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
+    const int64_t done = m - m % 16, nb = k / kBlock;
+    a += done * k * LEVELS, act += done * nb, c += done * ldc, m -= done;
+  }
+#endif
+  groups_of<F, LEVELS>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
+}
+
 template <Fmt F>
 void groups_of(int levels, const int8_t* a, const ActBlock* act, int64_t m, int64_t k,
                const uint8_t* w, int64_t n, float* c, int64_t ldc, const float* bias,
                int64_t g0, int64_t g1) {
-  if (levels == 2) return groups_of<F, 2>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
-  groups_of<F, 1>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
+  if (levels == 2) return rows_of<F, 2>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
+  rows_of<F, 1>(a, act, m, k, w, n, c, ldc, bias, g0, g1);
 }
 
 // Below this many weight blocks times rows a product runs on the calling thread alone.
@@ -87,3 +102,12 @@ extern "C" void qgemm(int64_t fmt, int64_t levels, const int8_t* a, const ActBlo
 
 // Which integer dot products this build's quantized products use.
 extern "C" const char* shoal_qgemm_isa() { return SHOAL_QGEMM_ISA; }
+
+// Whether products of 16 rows or more run on AMX-INT8 tiles: built for them, and lent them.
+extern "C" int shoal_qgemm_amx() {
+#if SHOAL_HAS_AMX_INT8
+  return shoal::amx_ready() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
