@@ -13,6 +13,7 @@
 #include "quant_blocks.h"
 #include "quant_ops.h"
 #include "qtile.h"
+#include "qtile512.h"
 #include "qtile_amx.h"
 
 namespace {
@@ -27,6 +28,15 @@ template <Fmt F, int LEVELS>
 constexpr Tile kTiles[5] = {nullptr, kTile<F, 1, LEVELS>, kTile<F, 2, LEVELS>,
                             kTile<F, 3, 1>, kTile<F, 4, 1>};
 
+#if SHOAL_QGEMM_PAIRS
+// Pairs of groups on AVX-512 (qtile512.h): up to 4 rows with either level count (their sums
+// and accumulators take 12 of the 32 registers).
+constexpr int kPairRows = 4;
+template <Fmt F, int LEVELS>
+constexpr PairTile kPairTiles[5] = {nullptr, kPairTile<F, 1, LEVELS>, kPairTile<F, 2, LEVELS>,
+                                    kPairTile<F, 3, LEVELS>, kPairTile<F, 4, LEVELS>};
+#endif
+
 template <Fmt F, int LEVELS>
 void groups_of(const int8_t* a, const ActBlock* act, int64_t m, int64_t k, const uint8_t* w,
                int64_t n, float* c, int64_t ldc, const float* bias, int64_t g0, int64_t g1) {
@@ -34,7 +44,19 @@ void groups_of(const int8_t* a, const ActBlock* act, int64_t m, int64_t k, const
   constexpr int mr = 4 / LEVELS;
   for (int64_t m0 = 0; m0 < m; m0 += M_BLOCK) {
     const int64_t m1 = std::min(m, m0 + M_BLOCK);
-    for (int64_t g = g0; g < g1; ++g) {
+    int64_t g = g0;
+#if SHOAL_QGEMM_PAIRS
+    for (; g + 1 < g1; g += 2) {
+      const int64_t cols = std::min(2 * kRows, n - g * kRows);
+      for (int64_t i = m0; i < m1; i += kPairRows) {
+        const int rows = int(std::min<int64_t>(kPairRows, m1 - i));
+        kPairTiles<F, LEVELS>[rows](a + i * lda, lda, act + i * nb, nb, w + g * group_bytes,
+                                    w + (g + 1) * group_bytes, c + i * ldc + g * kRows, ldc,
+                                    cols, bias ? bias + g * kRows : nullptr);
+      }
+    }
+#endif
+    for (; g < g1; ++g) {
       const int64_t cols = std::min(kRows, n - g * kRows);
       for (int64_t i = m0; i < m1; i += mr) {
         const int rows = int(std::min<int64_t>(mr, m1 - i));
