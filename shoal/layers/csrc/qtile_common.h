@@ -6,8 +6,9 @@
 //   C += d_w * d_a * sum(q_w * q_a) + off_w * s_a,
 // where off_w is Q4_1's min, -8 d_w for Q4_0 (its values are q - 8), -128 d_w where the
 // int8 VNNI path reads Q8_0 values as unsigned (q + 128), and s_a = d_a * sum(q_a).
-// The vector paths are 256-bit on every x86 build (a zmm version would help prefill on Intel's
-// 512-bit ports, not the memory-bound decode).
+// The vector tiles are 256-bit (one group); AVX-512 VNNI builds take two groups at a time in
+// 512-bit vectors (qtile512.h) and, with AMX-INT8, 16 rows of A at a time on tiles
+// (qtile_amx.h).
 
 #pragma once
 
