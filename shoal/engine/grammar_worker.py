@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -138,6 +139,7 @@ class Worker:
         self._zygote = zygote()
         self.pid, self.conn = self._zygote.fork()
         self.alive = True
+        self._kill_lock = threading.Lock()
         self.conn.send(tokenizer_info)
         if not self.conn.poll(_START_TIMEOUT_S):
             self.kill()
@@ -189,8 +191,13 @@ class Worker:
         return str(reply[1]) if reply[0] == "grammar" else None
 
     def kill(self) -> None:
-        if self.alive:
-            self.alive = False
-            with contextlib.suppress(OSError):
-                self._zygote.kill(self.pid)
-        self.conn.close()
+        """Safe to call again and from any thread: the engine's closing thread and the
+        pool thread using the worker can both get here at once, and two closes of the
+        connection would close its fd twice (EBADF, or a descriptor reused in between)."""
+        with self._kill_lock:
+            if self.alive:
+                self.alive = False
+                with contextlib.suppress(OSError):
+                    self._zygote.kill(self.pid)
+            if not self.conn.closed:
+                self.conn.close()

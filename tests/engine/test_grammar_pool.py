@@ -129,3 +129,46 @@ def test_close_fails_what_waits_and_never_waits_for_a_compile(pools: Pools) -> N
         assert future.done() and isinstance(future.exception(), EngineClosedError)
     with pytest.raises(EngineClosedError):
         _submit(pool, SMALL)
+
+
+def test_a_worker_killed_from_two_threads_at_once_closes_its_connection_once(
+    tokenizer_info: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine's closing thread and the pool thread holding the worker can both kill it at
+    once; a second close of the connection would close its descriptor twice (EBADF on
+    shutdown, or a descriptor reused in between). The first kill is held inside the close
+    until the second has been started."""
+    import threading
+
+    from shoal.engine.grammar_worker import Worker
+
+    worker = Worker(tokenizer_info)
+    conn_type = type(worker.conn)
+    closes: list[int] = []
+    inside, second_started = threading.Event(), threading.Event()
+    original = conn_type.close
+
+    def held_close(self: Any) -> None:
+        closes.append(1)
+        inside.set()
+        second_started.wait(timeout=30)
+        original(self)
+
+    monkeypatch.setattr(conn_type, "close", held_close)
+    first = threading.Thread(target=worker.kill)
+    first.start()
+    assert inside.wait(timeout=30)
+    errors: list[BaseException] = []
+
+    def second_kill() -> None:
+        try:
+            worker.kill()
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    second = threading.Thread(target=second_kill)
+    second.start()
+    second_started.set()
+    first.join(timeout=30)
+    second.join(timeout=30)
+    assert not errors and closes == [1] and worker.conn.closed and not worker.alive
