@@ -52,6 +52,10 @@ class CpuKernels:
         self.amx_tiles: bool = bool(lib.shoal_amx_tiles())
         # Quantized products of 16 rows or more on AMX-INT8 tiles (`csrc/qtile_amx.h`).
         self.amx_int8: bool = bool(lib.shoal_qgemm_amx())
+        # Whether two-level quantized products of many rows (prefill) run faster as integer
+        # products than as the float32 kernel over dequantized panels: with AMX (3.2x on a
+        # Xeon) or 512-bit VNNI tiles (1.7x there; 256-bit VNNI ties, AVX2 loses).
+        self.integer_prefill: bool = self.amx_int8 or bool(lib.shoal_qgemm_pairs())
         for name, args in SIGNATURES.items():
             fn = getattr(lib, name, None)
             if fn is not None:

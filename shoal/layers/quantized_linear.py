@@ -4,7 +4,8 @@ model quantized to Q8_0 at load), and the choice between those and float `Linear
 On the CPU a product quantizes its float32 rows to int8 blocks and multiplies them with the
 blocks in C++ (`quant_kernels`): at batch 1 it reads a quarter (Q4) to a half (Q8_0) of
 bfloat16's bytes, the limit of a decode step. Large products (prefill) of the default
-precision run the float32 kernel over the weight dequantized a panel at a time instead. Where
+precision run the float32 kernel over the weight dequantized a panel at a time instead, except
+where AMX or 512-bit VNNI makes the integer products faster. Where
 the kernels cannot be built (or for other activation dtypes) the weight is dequantized for the
 call, slow but exact to its blocks.
 """
@@ -29,7 +30,8 @@ ACTIVATIONS = {"int16": 2, "int8": 1}
 # From this many rows (prefill), two-level products run as float32 products over the weight
 # dequantized a panel at a time: as fast as float32 weights from 32 rows on a Zen 3 core, where
 # two levels ran at 0.6-0.9x of it (`benchmarks/small_batch.py` measures the whole model).
-# Not with AMX-INT8, whose tiles take both levels faster than any float32 product.
+# Not where the integer products are faster (`CpuKernels.integer_prefill`: AMX-INT8, or
+# AVX-512 VNNI's 512-bit tiles).
 DEQUANTIZED_ROWS = 32
 
 
@@ -65,7 +67,7 @@ class QuantizedLinear(nn.Module):
             self.levels == 2
             and rows.shape[0] >= DEQUANTIZED_ROWS
             and kernels.has_gemm(x.dtype)
-            and not kernels.amx_int8
+            and not kernels.integer_prefill
         ):
             product = functools.partial(quant_kernels.dequantizing_gemm, kernels, rows)
         else:

@@ -70,6 +70,9 @@ def test_each_build_multiplies_with_its_dot_product(kernels: CpuKernels) -> None
     # every AMX machine this suite has run on).
     amx = kernels.march in ("native", "sapphirerapids") and "amx_int8" in cpu_flags()
     assert kernels.amx_int8 == amx
+    # Prefill's two-level products stay integer where the 512-bit tiles (or AMX) make them
+    # faster than the float32 kernel over dequantized panels.
+    assert kernels.integer_prefill == (isa == "avx512vnni")
 
 
 @pytest.mark.skipif(not is_x86(), reason="x86 targets")

@@ -125,6 +125,9 @@ extern "C" void qgemm(int64_t fmt, int64_t levels, const int8_t* a, const ActBlo
 // Which integer dot products this build's quantized products use.
 extern "C" const char* shoal_qgemm_isa() { return SHOAL_QGEMM_ISA; }
 
+// Whether the tiles take two groups at a time in 512-bit vectors (qtile512.h).
+extern "C" int shoal_qgemm_pairs() { return SHOAL_QGEMM_PAIRS; }
+
 // Whether products of 16 rows or more run on AMX-INT8 tiles: built for them, and lent them.
 extern "C" int shoal_qgemm_amx() {
 #if SHOAL_HAS_AMX_INT8
