@@ -167,13 +167,14 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
         *("-fa", "on", "-no-kvu"),
     ]
     text, peak, rc = _run_peak(cmd)
-    note = ""
     if rc < 0:
         # llama.cpp's AMX products (an "extra buffer type", on with repacking) crash in
         # ggml_backend_amx_mul_mat on some AMX machines (llama.cpp #20824, open; seen on an
         # Emerald Rapids VM): its AVX-512 kernels on the file's own layout run instead.
-        note = f"llama.cpp's repacked (AMX) kernels crashed (signal {-rc}): ran with --no-repack"
-        print(note, file=sys.stderr)
+        print(
+            f"llama.cpp's repacked (AMX) kernels crashed (signal {-rc}): ran with --no-repack",
+            file=sys.stderr,
+        )
         cmd.append("--no-repack")
         text, peak, rc = _run_peak(cmd)
     if rc:
@@ -189,7 +190,7 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
                 "ttft": float(cells[4]),
                 "decode": float(cells[7]),
             }
-    return {"batches": per_batch, "rss_peak_mib": peak, "command": cmd, "note": note}
+    return {"batches": per_batch, "rss_peak_mib": peak, "command": cmd}
 
 
 def _run_peak(cmd: list[str]) -> tuple[str, float, int]:
