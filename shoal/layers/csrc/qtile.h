@@ -26,12 +26,6 @@ namespace shoal::quant {
 
 #if SHOAL_QGEMM_VEC
 
-inline __m256i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm256_set1_epi32(v);
-}
-
 // How a format's stored bytes meet an activation vector: `add` accumulates the products of
 // one weight vector (8 rows x 4 k) with 4 activation bytes broadcast, `sums` gives the block's
 // int32 sums per row, and `kOffset` is the multiple of d_w (Q4_0, VNNI Q8_0) to add times s_a.
@@ -62,83 +56,121 @@ struct DotI8 {
 #endif
 };
 
-// ROWS rows of A (LEVELS int8 levels, lda bytes apart) against one group (8 rows of W) over
-// all `nb` blocks of k.
-template <Fmt F, int ROWS, int LEVELS>
-void tile_i8(const int8_t* a, int64_t lda, const ActBlock* act, int64_t nb, const uint8_t* w,
-             float* c, int64_t ldc, int64_t cols, const float* bias) {
+// The vectors of a tile: 256-bit, one group (8 rows of W; `w1` unused). qtile512.h has the
+// 512-bit pair of groups with the same members.
+struct Vec256 {
+  using Int = __m256i;
+  using Float = __m256;
+  template <Fmt F>
+  using Dot = DotI8<F>;
+
+  static Int load(const uint8_t* w0, const uint8_t*) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0));
+  }
+  static Int bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+  }
+  static void nibbles(Int v, Int& lo, Int& hi) {
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    lo = _mm256_and_si256(v, low4);
+    hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+  }
+  static Float halves(const uint8_t* b0, const uint8_t*) { return quant::halves(b0); }
+  static Int zeros() { return _mm256_setzero_si256(); }
+  static Float zero() { return _mm256_setzero_ps(); }
+  static Float splat(float x) { return _mm256_set1_ps(x); }
+  static Float to_float(Int v) { return _mm256_cvtepi32_ps(v); }
+  static Float mul(Float a, Float b) { return _mm256_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm256_fmadd_ps(a, b, c); }
+  static void store(float* c, Float v, int64_t cols, const float* bias) {
+    store8(c, v, cols, bias);
+  }
+};
+
+// ROWS rows of A (LEVELS int8 levels, lda bytes apart) against the groups of V's width at w0
+// (and w1) over all `nb` blocks of k: C[ROWS, cols].
+template <class V, Fmt F, int ROWS, int LEVELS>
+void tile_i8(const int8_t* a, int64_t lda, const ActBlock* act, int64_t nb, const uint8_t* w0,
+             const uint8_t* w1, float* c, int64_t ldc, int64_t cols, const float* bias) {
   using L = Layout<F>;
-  using D = DotI8<F>;
-  __m256 acc[ROWS];
+  using D = typename V::template Dot<F>;
+  typename V::Float acc[ROWS];
 #pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm256_setzero_ps();
-  const __m256i low4 = _mm256_set1_epi8(0x0F);
+  for (int r = 0; r < ROWS; ++r) acc[r] = V::zero();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* blk = w + b * L::kBytes;
-    const uint8_t* quants = blk + L::kScaleBytes;
+    const uint8_t* b0 = w0 + b * L::kBytes;
+    const uint8_t* b1 = w1 + b * L::kBytes;
     const int8_t* ab = a + b * kBlock * LEVELS;
-    __m256i sum[LEVELS][ROWS];
+    typename V::Int sum[LEVELS][ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < LEVELS; ++v) sum[v][r] = _mm256_setzero_si256();
+      for (int l = 0; l < LEVELS; ++l) sum[l][r] = V::zeros();
     // Not unrolled: GCC would reassociate the sums across the whole block, keep every product
     // live at once and spill them to the stack.
     if constexpr (L::kNibbles) {
 #pragma GCC unroll 1
       for (int s = 0; s < 4; ++s) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * s));
-        const __m256i lo = _mm256_and_si256(v, low4);
-        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        const int64_t at = L::kScaleBytes + 32 * s;
+        typename V::Int lo, hi;
+        V::nibbles(V::load(b0 + at, b1 + at), lo, hi);
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 2
-          for (int v = 0; v < LEVELS; ++v) {
-            const int8_t* x = ab + r * lda + v * kBlock;
-            sum[v][r] = D::add(sum[v][r], lo, bcast4(x + 4 * s));
-            sum[v][r] = D::add(sum[v][r], hi, bcast4(x + 16 + 4 * s));
+          for (int l = 0; l < LEVELS; ++l) {
+            const int8_t* x = ab + r * lda + l * kBlock;
+            sum[l][r] = D::add(sum[l][r], lo, V::bcast4(x + 4 * s));
+            sum[l][r] = D::add(sum[l][r], hi, V::bcast4(x + 16 + 4 * s));
           }
         }
       }
     } else {
 #pragma GCC unroll 1
       for (int j = 0; j < 8; ++j) {
-        const __m256i v =
-            D::prepare(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(quants + 32 * j)));
+        const int64_t at = L::kScaleBytes + 32 * j;
+        const typename V::Int v = D::prepare(V::load(b0 + at, b1 + at));
 #pragma GCC unroll 4
         for (int r = 0; r < ROWS; ++r) {
 #pragma GCC unroll 2
           for (int l = 0; l < LEVELS; ++l) {
-            sum[l][r] = D::add(sum[l][r], v, bcast4(ab + r * lda + l * kBlock + 4 * j));
+            sum[l][r] = D::add(sum[l][r], v, V::bcast4(ab + r * lda + l * kBlock + 4 * j));
           }
         }
       }
     }
-    const __m256 d = halves(blk);
-    __m256 off = _mm256_setzero_ps();
+    const typename V::Float d = V::halves(b0, b1);
+    typename V::Float off = V::zero();
     if constexpr (L::kMins) {
-      off = halves(blk + 16);
+      off = V::halves(b0 + 16, b1 + 16);
     } else if constexpr (D::kOffset != 0) {
-      off = _mm256_mul_ps(d, _mm256_set1_ps(float(D::kOffset)));
+      off = V::mul(d, V::splat(float(D::kOffset)));
     }
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) {
       const ActBlock s = act[r * nb + b];
-      __m256 dot = _mm256_cvtepi32_ps(D::sums(sum[0][r]));
+      typename V::Float dot = V::to_float(D::sums(sum[0][r]));
       if constexpr (LEVELS == 2) {
-        dot = _mm256_fmadd_ps(dot, _mm256_set1_ps(254.0f), _mm256_cvtepi32_ps(D::sums(sum[1][r])));
+        dot = V::fmadd(dot, V::splat(254.0f), V::to_float(D::sums(sum[1][r])));
       }
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(s.d)), acc[r]);
+      acc[r] = V::fmadd(dot, V::mul(d, V::splat(s.d)), acc[r]);
       if constexpr (L::kMins || D::kOffset != 0) {
-        acc[r] = _mm256_fmadd_ps(off, _mm256_set1_ps(s.s), acc[r]);
+        acc[r] = V::fmadd(off, V::splat(s.s), acc[r]);
       }
     }
   }
 #pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) store8(c + r * ldc, acc[r], cols, bias);
+  for (int r = 0; r < ROWS; ++r) V::store(c + r * ldc, acc[r], cols, bias);
 }
 
 template <Fmt F, int ROWS, int LEVELS>
-constexpr Tile kTile = tile_i8<F, ROWS, LEVELS>;
+void tile_group(const int8_t* a, int64_t lda, const ActBlock* act, int64_t nb, const uint8_t* w,
+                float* c, int64_t ldc, int64_t cols, const float* bias) {
+  tile_i8<Vec256, F, ROWS, LEVELS>(a, lda, act, nb, w, w, c, ldc, cols, bias);
+}
+
+template <Fmt F, int ROWS, int LEVELS>
+constexpr Tile kTile = tile_group<F, ROWS, LEVELS>;
 
 #else
 

@@ -3,7 +3,8 @@
 // VPDPBUSD, each broadcast activation and each epilogue operation serves twice the rows. At
 // batch 1 a step is bound by reading the weights either way; from two rows (or two levels) up
 // the 256-bit tiles' instructions start to show beside the memory traffic, and this halves
-// them. Same products and the same epilogue as qtile.h, in the same order per column.
+// them. The tile is qtile.h's `tile_i8` over `Vec512`: the same products and epilogue, in the
+// same order per column.
 
 #pragma once
 
@@ -14,106 +15,64 @@
 
 namespace shoal::quant {
 
-inline __m512i pair_of(const uint8_t* lo, const uint8_t* hi) {
-  const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lo));
-  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(hi));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
-}
-
-// Two blocks' 8 float16 scales (or mins) as 16 float32.
-inline __m512 halves_of(const uint8_t* lo, const uint8_t* hi) {
-  const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(lo));
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(hi));
-  return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
-}
-
-inline __m512i bcast4_512(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return _mm512_set1_epi32(v);
-}
-
-// ROWS rows of A against groups w0 and w1 (16 rows of W) over all `nb` blocks of k:
-// C[ROWS, cols] for cols up to 16.
-template <Fmt F, int ROWS, int LEVELS>
-void tile_pair(const int8_t* a, int64_t lda, const ActBlock* act, int64_t nb, const uint8_t* w0,
-               const uint8_t* w1, float* c, int64_t ldc, int64_t cols, const float* bias) {
-  using L = Layout<F>;
-  constexpr int kOffset = DotI8<F>::kOffset;
-  __m512 acc[ROWS];
-#pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) acc[r] = _mm512_setzero_ps();
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* b0 = w0 + b * L::kBytes;
-    const uint8_t* b1 = w1 + b * L::kBytes;
-    const int8_t* ab = a + b * kBlock * LEVELS;
-    __m512i sum[LEVELS][ROWS];
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < LEVELS; ++v) sum[v][r] = _mm512_setzero_si512();
-    if constexpr (L::kNibbles) {
-#pragma GCC unroll 1
-      for (int s = 0; s < 4; ++s) {
-        const __m512i v = pair_of(b0 + L::kScaleBytes + 32 * s, b1 + L::kScaleBytes + 32 * s);
-        const __m512i lo = _mm512_and_si512(v, low4);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-#pragma GCC unroll 4
-        for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 2
-          for (int v2 = 0; v2 < LEVELS; ++v2) {
-            const int8_t* x = ab + r * lda + v2 * kBlock;
-            sum[v2][r] = _mm512_dpbusd_epi32(sum[v2][r], lo, bcast4_512(x + 4 * s));
-            sum[v2][r] = _mm512_dpbusd_epi32(sum[v2][r], hi, bcast4_512(x + 16 + 4 * s));
-          }
-        }
-      }
-    } else {
-#pragma GCC unroll 1
-      for (int j = 0; j < 8; ++j) {
-        const __m512i v = _mm512_xor_si512(
-            pair_of(b0 + L::kScaleBytes + 32 * j, b1 + L::kScaleBytes + 32 * j),
-            _mm512_set1_epi8(char(0x80)));
-#pragma GCC unroll 4
-        for (int r = 0; r < ROWS; ++r) {
-#pragma GCC unroll 2
-          for (int l = 0; l < LEVELS; ++l) {
-            sum[l][r] = _mm512_dpbusd_epi32(sum[l][r], v, bcast4_512(ab + r * lda + l * kBlock + 4 * j));
-          }
-        }
-      }
-    }
-    const __m512 d = halves_of(b0, b1);
-    __m512 off = _mm512_setzero_ps();
-    if constexpr (L::kMins) {
-      off = halves_of(b0 + 16, b1 + 16);
-    } else if constexpr (kOffset != 0) {
-      off = _mm512_mul_ps(d, _mm512_set1_ps(float(kOffset)));
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < ROWS; ++r) {
-      const ActBlock s = act[r * nb + b];
-      __m512 dot = _mm512_cvtepi32_ps(sum[0][r]);
-      if constexpr (LEVELS == 2) {
-        dot = _mm512_fmadd_ps(dot, _mm512_set1_ps(254.0f), _mm512_cvtepi32_ps(sum[1][r]));
-      }
-      acc[r] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(s.d)), acc[r]);
-      if constexpr (L::kMins || kOffset != 0) {
-        acc[r] = _mm512_fmadd_ps(off, _mm512_set1_ps(s.s), acc[r]);
-      }
-    }
+// VPDPBUSD on 512 bits: Q4_0 and Q8_0 as qtile.h's VNNI products (Q8_0 read unsigned).
+template <Fmt F>
+struct Dot512 {
+  static constexpr int kOffset = F == Fmt::Q4_0 ? -8 : F == Fmt::Q8_0 ? -128 : 0;
+  static __m512i prepare(__m512i w) {
+    return F == Fmt::Q8_0 ? _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))) : w;
   }
-  const __mmask16 mask = __mmask16((1u << cols) - 1);
-  const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int r = 0; r < ROWS; ++r) _mm512_mask_storeu_ps(c + r * ldc, mask, _mm512_add_ps(acc[r], bv));
-}
+  static __m512i add(__m512i acc, __m512i w, __m512i a) { return _mm512_dpbusd_epi32(acc, w, a); }
+  static __m512i sums(__m512i acc) { return acc; }
+};
 
+// qtile.h's Vec256 twice as wide: group w0's 32 bytes in the low half, w1's in the high.
+struct Vec512 {
+  using Int = __m512i;
+  using Float = __m512;
+  template <Fmt F>
+  using Dot = Dot512<F>;
+
+  static Int load(const uint8_t* w0, const uint8_t* w1) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1));
+    return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+  }
+  static Int bcast4(const int8_t* p) {
+    int32_t v;
+    std::memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+  }
+  static void nibbles(Int v, Int& lo, Int& hi) {
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    lo = _mm512_and_si512(v, low4);
+    hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+  }
+  // Two blocks' 8 float16 scales (or mins) as 16 float32.
+  static Float halves(const uint8_t* b0, const uint8_t* b1) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b0));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b1));
+    return _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(a), b, 1));
+  }
+  static Int zeros() { return _mm512_setzero_si512(); }
+  static Float zero() { return _mm512_setzero_ps(); }
+  static Float splat(float x) { return _mm512_set1_ps(x); }
+  static Float to_float(Int v) { return _mm512_cvtepi32_ps(v); }
+  static Float mul(Float a, Float b) { return _mm512_mul_ps(a, b); }
+  static Float fmadd(Float a, Float b, Float c) { return _mm512_fmadd_ps(a, b, c); }
+  static void store(float* c, Float v, int64_t cols, const float* bias) {
+    const __mmask16 mask = __mmask16((1u << cols) - 1);
+    const __m512 bv = bias ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+    _mm512_mask_storeu_ps(c, mask, _mm512_add_ps(v, bv));
+  }
+};
+
+// ROWS rows of A against groups w0 and w1 (16 rows of W): C[ROWS, cols] for cols up to 16.
 using PairTile = void (*)(const int8_t*, int64_t, const ActBlock*, int64_t, const uint8_t*,
                           const uint8_t*, float*, int64_t, int64_t, const float*);
 
 template <Fmt F, int ROWS, int LEVELS>
-constexpr PairTile kPairTile = tile_pair<F, ROWS, LEVELS>;
+constexpr PairTile kPairTile = tile_i8<Vec512, F, ROWS, LEVELS>;
 
 }  // namespace shoal::quant
 
