@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -70,40 +71,60 @@ def run(
         *("-t", str(threads), "-tb", str(threads)),
         *("--cache-ram", "0", "--no-webui"),
     ]
-    log = (root / "llama-server.log").open("w")  # a pipe left unread would block the server
-    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
-    try:
-        with httpx.Client(base_url=base, timeout=None) as client:  # a loaded machine is slow
-            _wait_ready(client, server, root / "llama-server.log")
+    with httpx.Client(base_url=base, timeout=None) as client:  # a loaded machine is slow
+        server, log = _start(client, cmd, root / "llama-server.log")
 
-            def one(prompt: list[int]) -> list[int]:
-                body = {
-                    "prompt": prompt,
-                    "n_predict": max_tokens,
-                    "ignore_eos": True,
-                    "temperature": 0.0,
-                    "top_k": 1,
-                    "cache_prompt": False,
-                    "return_tokens": True,
-                }
-                r = client.post("/completion", json=body)
-                r.raise_for_status()
-                return list(r.json()["tokens"])
+        def one(prompt: list[int]) -> list[int]:
+            body = {
+                "prompt": prompt,
+                "n_predict": max_tokens,
+                "ignore_eos": True,
+                "temperature": 0.0,
+                "top_k": 1,
+                "cache_prompt": False,
+                "return_tokens": True,
+            }
+            r = client.post("/completion", json=body)
+            r.raise_for_status()
+            return list(r.json()["tokens"])
 
+        try:
             one(prompts[0][:8])  # warm-up: first-call allocations
             start = time.perf_counter()
             with ThreadPoolExecutor(len(prompts)) as pool:
                 outputs = list(pool.map(one, prompts))
             elapsed = time.perf_counter() - start
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
+        finally:
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+            log.close()
     return PeerRun(sum(map(len, outputs)) / elapsed, elapsed, outputs, cmd)
+
+
+def _start(
+    client: httpx.Client, cmd: list[str], log_path: Path
+) -> tuple[subprocess.Popen[bytes], IO[str]]:
+    """llama-server, once it answers `/health`, and its open log. llama.cpp's repacked (AMX)
+    products crash while loading on some AMX machines (llama.cpp #20824, open; seen on a Xeon
+    with AMX-INT8): a server killed by a signal is started once more with `--no-repack` (its
+    AVX-512 kernels on the file's own layout), which `cmd` then holds."""
+    while True:
+        log = log_path.open("w")  # a pipe left unread would block the server
+        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            _wait_ready(client, server, log_path)
+            return server, log
+        except RuntimeError:
+            log.close()
+            if server.returncode is None or server.returncode >= 0 or "--no-repack" in cmd:
+                server.kill()
+                raise
+            print(f"llama-server died of signal {-server.returncode}: again with --no-repack")
+            cmd.append("--no-repack")
 
 
 def batched_bench(
