@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Annotated, Any, TypeVar
 
 from fastapi import APIRouter, Depends, Header, Request
@@ -19,9 +19,10 @@ from starlette.types import Receive, Scope, Send
 
 from shoal.server.errors import model_not_found
 from shoal.server.protocol import ChatCompletionRequest, CompletionRequest
-from shoal.server.quota import UNMETERED
+from shoal.server.quota import UNMETERED, Meter, Output, Outputs, Unmetered
 from shoal.server.serving import (
     Prepared,
+    Serving,
     prepare_chat,
     prepare_completion,
     respond,
@@ -73,6 +74,45 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     return None if task.cancelled() else task.result()
 
 
+StreamBody = Callable[[Outputs, Output], AsyncGenerator[bytes]]
+
+
+def streaming(body: AsyncIterator[bytes], headers: Mapping[str, str] | None = None) -> SSEResponse:
+    """Server-sent events, which proxies must pass on as they come."""
+    headers = {**(headers or {}), "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    return SSEResponse(body, media_type="text/event-stream", headers=headers)
+
+
+async def metered(
+    request: Request,
+    meter: Meter | Unmetered,
+    srv: Serving,
+    prep: Prepared,
+    stream: StreamBody | None,
+    answer: Callable[[], Awaitable[dict[str, Any]]],
+    used: Callable[[dict[str, Any]], int | None],
+    headers: Mapping[str, str] | None = None,
+) -> Response:
+    """An admitted request's answer, streamed (`stream` makes the body from its first output
+    on) or whole (`answer`), its lease settled with the tokens it `used`; a client that goes
+    away aborts it (a whole answer then gets 499)."""
+    if stream is not None:
+        try:
+            gen, first = meter.watch(*await start_stream(srv, prep))
+        except BaseException:
+            await meter.done(0)
+            raise
+        return streaming(meter.settling(stream(gen, first)), headers)
+    body = None
+    try:
+        body = await unless_disconnected(request, answer())
+    finally:
+        await meter.done(None if body is None else used(body))
+    if body is None:
+        return Response(status_code=499)
+    return JSONResponse(body, headers=headers)
+
+
 async def _serve(
     request: Request, state: ServerState, tenant: Tenant, prep: Prepared, stream: bool
 ) -> Response:
@@ -80,25 +120,15 @@ async def _serve(
     meter = await (state.quota or UNMETERED).admit(
         tenant, request.headers.get("authorization"), prep
     )
-    if stream:
-        try:
-            gen, first = meter.watch(*await start_stream(srv, prep))
-        except BaseException:
-            await meter.done(0)
-            raise
-        return SSEResponse(
-            meter.settling(stream_sse(srv, prep, gen, first)),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    body = None
-    try:
-        body = await unless_disconnected(request, respond(srv, prep))
-    finally:
-        await meter.done(body["usage"]["total_tokens"] if body else None)
-    if body is None:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await metered(
+        request,
+        meter,
+        srv,
+        prep,
+        (lambda gen, first: stream_sse(srv, prep, gen, first)) if stream else None,
+        lambda: respond(srv, prep),
+        lambda body: int(body["usage"]["total_tokens"]),
+    )
 
 
 @router.get("/v1/models")

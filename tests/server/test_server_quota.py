@@ -118,3 +118,49 @@ def test_serve_with_a_bad_quota_file_says_so_before_loading_a_model(
     bad.write_text("[serve]\nrpm = 0\n")
     assert main(["serve", "--quota", str(bad), "--model", str(tmp_path / "none")]) == 2
     assert "rpm must be a positive integer" in capsys.readouterr().err
+
+
+def _events(live: LiveServer, path: str, body: dict[str, object], token: str) -> list[dict]:
+    headers = {"Authorization": f"Bearer {token}"}
+    with httpx.stream("POST", f"{live.url}{path}", json=body, headers=headers, timeout=30) as r:
+        assert r.status_code == 200, r.read()
+        return [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+
+
+def _message_tokens(usage: dict[str, int]) -> int:
+    parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+    return sum(usage.get(k) or 0 for k in parts) + usage.get("output_tokens", 0)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_messages_and_responses_are_charged_what_they_used(live: LiveServer, stream: bool) -> None:
+    """The Anthropic and Responses routes settle their leases as chat does."""
+    token = f"erin-{stream}"
+    message = {
+        "model": live.model,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": "Hi"}],
+    }
+    if stream:
+        events = _events(live, "/v1/messages", {**message, "stream": True}, token)
+        start = next(e for e in events if e["type"] == "message_start")["message"]["usage"]
+        delta = next(e for e in events if e["type"] == "message_delta")["usage"]
+        spent = _message_tokens({**start, "output_tokens": delta["output_tokens"]})
+    else:
+        headers = {"Authorization": f"Bearer {token}"}
+        r = httpx.post(f"{live.url}/v1/messages", json=message, headers=headers, timeout=30)
+        assert r.status_code == 200, r.text
+        spent = _message_tokens(r.json()["usage"])
+    assert used(live)[key(live, token, "tpm")] == spent
+
+    token = f"frank-{stream}"
+    body = {"model": live.model, "input": "Hi", "max_output_tokens": 6, "store": False}
+    if stream:
+        events = _events(live, "/v1/responses", {**body, "stream": True}, token)
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        spent = events[-1]["response"]["usage"]["total_tokens"]
+    else:
+        response = live.client(api_key=token).responses.create(**body)
+        assert response.usage is not None
+        spent = response.usage.total_tokens
+    assert used(live)[key(live, token, "tpm")] == spent

@@ -17,7 +17,7 @@ from collections.abc import AsyncGenerator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import ValidationError
 
 from shoal.engine.pins import CachePin
@@ -32,8 +32,8 @@ from shoal.server.formatting import tool_finish
 from shoal.server.ids import new_id
 from shoal.server.protocol import ChatCompletionRequest
 from shoal.server.quota import UNMETERED
-from shoal.server.routes import SessionHeader, SSEResponse, unless_disconnected
-from shoal.server.serving import Prepared, Serving, prepare_chat, respond, start_stream
+from shoal.server.routes import SessionHeader, metered
+from shoal.server.serving import Prepared, Serving, prepare_chat, respond
 from shoal.server.state import ServerState, get_state
 from shoal.server.structured import plan_answer
 from shoal.server.tenancy import Tenant, get_tenant
@@ -294,31 +294,19 @@ async def create_message(
     meter = await (state.quota or UNMETERED).admit(
         tenant, request.headers.get("authorization"), prep
     )
-    if req.stream:
-        try:
-            gen, first = meter.watch(*await start_stream(srv, prep))
-        except BaseException:
-            await meter.done(0)
-            raise
-        return SSEResponse(
-            meter.settling(stream_events(prep, positions, gen, first)),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-        )
-    body = None
-    try:
-        body = await unless_disconnected(request, answer(srv, prep, positions))
-    finally:
-        await meter.done(_used(body))
-    if body is None:
-        return Response(status_code=499)
-    return JSONResponse(body)
+    return await metered(
+        request,
+        meter,
+        srv,
+        prep,
+        (lambda gen, first: stream_events(prep, positions, gen, first)) if req.stream else None,
+        lambda: answer(srv, prep, positions),
+        _used,
+    )
 
 
-def _used(message: dict[str, Any] | None) -> int | None:
+def _used(message: dict[str, Any]) -> int:
     """The tokens a Message used (its input, cached or not, and its output)."""
-    if message is None:
-        return None
     u = message["usage"]
     parts = ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
     return sum(u[k] for k in parts) + u["output_tokens"]

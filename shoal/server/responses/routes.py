@@ -16,12 +16,11 @@ from fastapi.responses import JSONResponse, Response
 
 from shoal.server.errors import APIError
 from shoal.server.formatting import list_page
-from shoal.server.quota import UNMETERED
+from shoal.server.quota import UNMETERED, Output, Outputs
 from shoal.server.responses.events import Sequenced, sse
 from shoal.server.responses.protocol import InputTokensRequest, ResponseCreateRequest
 from shoal.server.responses.service import Pending, Responses
-from shoal.server.routes import SSEResponse, unless_disconnected
-from shoal.server.serving import start_stream
+from shoal.server.routes import metered, streaming
 from shoal.server.state import ServerState, get_state
 from shoal.server.tenancy import Tenant, get_tenant
 
@@ -50,11 +49,6 @@ async def _sse(events: AsyncIterator[dict[str, Any]]) -> AsyncGenerator[bytes]:
         yield sse(event)
 
 
-def _streaming(body: AsyncIterator[bytes], headers: dict[str, str]) -> SSEResponse:
-    headers = {**headers, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-    return SSEResponse(body, media_type="text/event-stream", headers=headers)
-
-
 async def _replay(events: list[dict[str, Any]], after: int) -> AsyncIterator[dict[str, Any]]:
     for event in events:
         if event["sequence_number"] > after:
@@ -74,24 +68,22 @@ async def create_response(
         await meter.done(None)  # the reservation stands: nobody waits for the answer here
         running = await svc.launch(p)
         if req.stream:
-            return _streaming(_sse(running.log.follow()), headers)
+            return streaming(_sse(running.log.follow()), headers)
         return JSONResponse(p.frame.response("queued"), headers=headers)
-    if req.stream:
-        try:
-            gen, first = meter.watch(*await start_stream(state.serving, p.prep))
-        except BaseException:
-            await meter.done(0)
-            raise
-        events = svc.events(p, gen, first[1], Sequenced())
-        return _streaming(meter.settling(_sse(events)), headers)
-    body = None
-    try:
-        body = await unless_disconnected(request, svc.respond(p))
-    finally:
-        await meter.done(body["usage"]["total_tokens"] if body and body["usage"] else None)
-    if body is None:
-        return Response(status_code=499)
-    return JSONResponse(body, headers=headers)
+
+    def events(gen: Outputs, first: Output) -> AsyncGenerator[bytes]:
+        return _sse(svc.events(p, gen, first[1], Sequenced()))
+
+    return await metered(
+        request,
+        meter,
+        state.serving,
+        p.prep,
+        events if req.stream else None,
+        lambda: svc.respond(p),
+        lambda body: body["usage"]["total_tokens"] if body["usage"] else None,
+        headers,
+    )
 
 
 @router.post("/v1/responses/input_tokens")
@@ -121,7 +113,7 @@ async def get_response(
         events = running.log.follow(starting_after)
     else:  # finished: its stored events (read again: it may have just finished)
         events = _replay((await svc.get(response_id, tenant)).events or [], starting_after)
-    return _streaming(_sse(events), {})
+    return streaming(_sse(events))
 
 
 @router.delete("/v1/responses/{response_id}")
