@@ -83,6 +83,14 @@ def streaming(body: AsyncIterator[bytes], headers: Mapping[str, str] | None = No
     return SSEResponse(body, media_type="text/event-stream", headers=headers)
 
 
+async def admit(
+    request: Request, state: ServerState, tenant: Tenant, prep: Prepared
+) -> Meter | Unmetered:
+    """The request's lease on its tenant's budget (`--quota`), or no metering at all."""
+    authorization = request.headers.get("authorization")
+    return await (state.quota or UNMETERED).admit(tenant, authorization, prep)
+
+
 async def metered(
     request: Request,
     meter: Meter | Unmetered,
@@ -117,12 +125,9 @@ async def _serve(
     request: Request, state: ServerState, tenant: Tenant, prep: Prepared, stream: bool
 ) -> Response:
     srv = state.serving
-    meter = await (state.quota or UNMETERED).admit(
-        tenant, request.headers.get("authorization"), prep
-    )
     return await metered(
         request,
-        meter,
+        await admit(request, state, tenant, prep),
         srv,
         prep,
         (lambda gen, first: stream_sse(srv, prep, gen, first)) if stream else None,

@@ -31,8 +31,7 @@ from shoal.server.errors import APIError, model_not_found, to_api_error
 from shoal.server.formatting import tool_finish
 from shoal.server.ids import new_id
 from shoal.server.protocol import ChatCompletionRequest
-from shoal.server.quota import UNMETERED
-from shoal.server.routes import SessionHeader, metered
+from shoal.server.routes import SessionHeader, admit, metered
 from shoal.server.serving import Prepared, Serving, prepare_chat, respond
 from shoal.server.state import ServerState, get_state
 from shoal.server.structured import plan_answer
@@ -291,12 +290,9 @@ async def create_message(
     prep, positions = await prepare(
         srv, req, tenant, session_id=x_session_id, keep_billing_header=keep
     )
-    meter = await (state.quota or UNMETERED).admit(
-        tenant, request.headers.get("authorization"), prep
-    )
     return await metered(
         request,
-        meter,
+        await admit(request, state, tenant, prep),
         srv,
         prep,
         (lambda gen, first: stream_events(prep, positions, gen, first)) if req.stream else None,

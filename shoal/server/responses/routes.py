@@ -16,11 +16,11 @@ from fastapi.responses import JSONResponse, Response
 
 from shoal.server.errors import APIError
 from shoal.server.formatting import list_page
-from shoal.server.quota import UNMETERED, Output, Outputs
+from shoal.server.quota import Output, Outputs
 from shoal.server.responses.events import Sequenced, sse
 from shoal.server.responses.protocol import InputTokensRequest, ResponseCreateRequest
 from shoal.server.responses.service import Pending, Responses
-from shoal.server.routes import metered, streaming
+from shoal.server.routes import admit, metered, streaming
 from shoal.server.state import ServerState, get_state
 from shoal.server.tenancy import Tenant, get_tenant
 
@@ -62,8 +62,7 @@ async def create_response(
     svc = _service(state)
     p = await svc.prepare(req, tenant)
     headers = _headers(p)
-    authorization = request.headers.get("authorization")
-    meter = await (state.quota or UNMETERED).admit(tenant, authorization, p.prep)
+    meter = await admit(request, state, tenant, p.prep)
     if req.background:
         await meter.done(None)  # the reservation stands: nobody waits for the answer here
         running = await svc.launch(p)
