@@ -111,6 +111,17 @@ def _fused_share(llm: Any, prompt: int, tokens: int) -> float:
     return min(1.0, spent[0] * (tokens - 1) / tokens / decode_wall)
 
 
+def _kernels() -> str:
+    """Which build of the C++ kernels ran (`SHOAL_CPU_TARGET` picks another than native)."""
+    from shoal.layers import cpu_kernels, quant_kernels
+
+    k = cpu_kernels.native()
+    if k is None:
+        return "none (pure torch)"
+    tiles = ", AMX-INT8 tiles" if k.amx_int8 else ""
+    return f"-march={k.march}: {quant_kernels.isa(k)} quantized products{tiles}"
+
+
 def shoal_worker(args: argparse.Namespace) -> None:
     from shoal import LLM
 
@@ -136,6 +147,7 @@ def shoal_worker(args: argparse.Namespace) -> None:
         "kv_bytes_per_token": llm.engine.model_config.kv_bytes_per_token(kv_size),
         "weight_bytes": llm.stats().weight_bytes,
         "fused": llm.engine.runner.model.fused is not None,
+        "kernels": _kernels(),
         "batches": {str(b): _batch(llm, b, args.prompt, args.tokens, seed=b) for b in batches},
     }
     if result["fused"]:
@@ -308,7 +320,9 @@ def main() -> None:
     print(f"CPU: {cpu_info().describe()}")
     print(f"threads: {args.threads} (torch; llama.cpp -t/-tb the same); read {bandwidth:.1f} GB/s")
     command = " ".join(peer[next(iter(files))][0]["command"][1:])
+    kernels = ours[next(iter(files))][0]["kernels"]
     print(f"shoal: quantization='gguf', {args.activations} activations, {args.kv} KV cache")
+    print(f"shoal's kernels: {kernels}")
     print(f"llama.cpp {root.name}: {command}")
     for name in files:
         report(args, name, peer[name], ours[name], bandwidth)

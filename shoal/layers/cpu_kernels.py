@@ -360,10 +360,12 @@ def build(march: str = "native") -> CpuKernels | None:
 
 @functools.cache
 def native() -> CpuKernels | None:
-    """The kernels for this CPU, which the engine uses; None where they cannot be built."""
+    """The kernels the engine uses: built for this CPU, or for `$SHOAL_CPU_TARGET` (another
+    target it runs, e.g. `x86-64-v3` for the AVX2 path on an AVX-512 machine, to measure what
+    such a chip's build does); None where they cannot be built."""
     if os.environ.get("SHOAL_DISABLE_CPU_KERNELS"):
         return None
-    return build("native")
+    return build(os.environ.get("SHOAL_CPU_TARGET") or "native")
 
 
 def for_tensor(x: torch.Tensor) -> CpuKernels | None:

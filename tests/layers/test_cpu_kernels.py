@@ -79,6 +79,23 @@ def test_the_native_build_uses_avx512_where_the_cpu_has_it() -> None:
     assert native.isa == "avx512"
 
 
+@pytest.mark.skipif(not is_x86() or "avx2" not in cpu_flags(), reason="the AVX2 target")
+def test_the_engine_takes_another_target_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`SHOAL_CPU_TARGET` builds the engine's kernels for another target this CPU runs."""
+    if cpu_kernels.build() is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("SHOAL_CPU_TARGET", "x86-64-v3")
+    cpu_kernels.native.cache_clear()
+    try:
+        kernels = cpu_kernels.native()
+        assert kernels is not None and (kernels.march, kernels.isa) == ("x86-64-v3", "avx2")
+        assert not kernels.amx_int8 and not kernels.integer_prefill
+    finally:
+        monkeypatch.delenv("SHOAL_CPU_TARGET")
+        cpu_kernels.native.cache_clear()
+    assert cpu_kernels.native() is cpu_kernels.build("native")
+
+
 def _decode_case(
     q_dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int, dim: int, seed: int = 0
 ) -> tuple[torch.Tensor, ...]:
