@@ -14,8 +14,8 @@ build of llama.cpp does on the same work.
 
 from __future__ import annotations
 
-import socket
 import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+from serve_process import free_port, stop
 
 GGUF_TYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
 
@@ -46,12 +47,6 @@ class PeerRun:
     command: list[str]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def float_gguf(root: Path, dtype: str) -> Path:
     """The bundled model dequantized by `setup_llamacpp.sh` into `dtype`'s GGUF type."""
     return root / f"smollm2-135m-{GGUF_TYPES[dtype]}.gguf"
@@ -60,7 +55,7 @@ def float_gguf(root: Path, dtype: str) -> Path:
 def run(
     root: Path, model: Path, prompts: list[list[int]], max_tokens: int, threads: int
 ) -> PeerRun:
-    port = _free_port()
+    port = free_port()
     ctx_per_slot = max(len(p) for p in prompts) + max_tokens + 16
     slots = len(prompts)
     cmd = [
@@ -96,11 +91,7 @@ def run(
                 outputs = list(pool.map(one, prompts))
             elapsed = time.perf_counter() - start
         finally:
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
+            stop(server, timeout=30)
             log.close()
     return PeerRun(sum(map(len, outputs)) / elapsed, elapsed, outputs, cmd)
 
@@ -108,10 +99,8 @@ def run(
 def _start(
     client: httpx.Client, cmd: list[str], log_path: Path
 ) -> tuple[subprocess.Popen[bytes], IO[str]]:
-    """llama-server, once it answers `/health`, and its open log. llama.cpp's repacked (AMX)
-    products crash while loading on some AMX machines (llama.cpp #20824, open; seen on a Xeon
-    with AMX-INT8): a server killed by a signal is started once more with `--no-repack` (its
-    AVX-512 kernels on the file's own layout), which `cmd` then holds."""
+    """llama-server, once it answers `/health`, and its open log (once more `without_repack`
+    if it dies while loading)."""
     while True:
         log = log_path.open("w")  # a pipe left unread would block the server
         server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -120,11 +109,21 @@ def _start(
             return server, log
         except RuntimeError:
             log.close()
-            if server.returncode is None or server.returncode >= 0 or "--no-repack" in cmd:
+            if not without_repack(cmd, server.returncode):
                 server.kill()
                 raise
-            print(f"llama-server died of signal {-server.returncode}: again with --no-repack")
-            cmd.append("--no-repack")
+
+
+def without_repack(cmd: list[str], returncode: int | None) -> bool:
+    """Whether to run llama.cpp's `cmd` again, `--no-repack` appended to it here: its repacked
+    (AMX) products crash in ggml_backend_amx_mul_mat on some AMX machines (llama.cpp #20824,
+    open; seen on an Emerald Rapids VM and a Xeon with AMX-INT8), so a process killed by a
+    signal gets one more run on the AVX-512 kernels over the file's own layout."""
+    if returncode is None or returncode >= 0 or "--no-repack" in cmd:
+        return False
+    print(f"llama.cpp died of signal {-returncode}: again with --no-repack", file=sys.stderr)
+    cmd.append("--no-repack")
+    return True
 
 
 def batched_bench(

@@ -40,7 +40,7 @@ from typing import Any
 
 import httpx
 import plotting
-from serve_process import free_port, start_serve
+from serve_process import free_port, start_serve, stop
 
 REPO = Path(__file__).resolve().parent.parent
 TURNS = 8
@@ -317,12 +317,7 @@ def vllm_run(agents: int, max_tokens: int, threads: int) -> Run:
                 time.sleep(1)
         return measure(url, "vLLM chained", chained, agents, max_tokens, VLLM_TTFT)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, timeout=120)
 
 
 def main() -> None:

@@ -1,4 +1,5 @@
-"""`shoal serve` in a subprocess on 127.0.0.1, for the benchmarks that measure it over HTTP."""
+"""Servers in subprocesses on 127.0.0.1 for the benchmarks that measure over HTTP: `shoal
+serve`, and the port and stop every peer's server needs too."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def start_serve(data_dir: str, *args: str) -> tuple[subprocess.Popen[bytes], str
             time.sleep(0.2)
     proc.kill()
     raise SystemExit("the server did not start")
+
+
+def stop(proc: subprocess.Popen[bytes], timeout: float = 60) -> None:
+    """Terminate a server and wait for it; kill it if it has not gone in `timeout` seconds."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

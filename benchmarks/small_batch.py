@@ -179,15 +179,7 @@ def run_llamacpp(args: argparse.Namespace, root: Path, model: Path) -> dict[str,
         *("-fa", "on", "-no-kvu"),
     ]
     text, peak, rc = _run_peak(cmd)
-    if rc < 0:
-        # llama.cpp's AMX products (an "extra buffer type", on with repacking) crash in
-        # ggml_backend_amx_mul_mat on some AMX machines (llama.cpp #20824, open; seen on an
-        # Emerald Rapids VM): its AVX-512 kernels on the file's own layout run instead.
-        print(
-            f"llama.cpp's repacked (AMX) kernels crashed (signal {-rc}): ran with --no-repack",
-            file=sys.stderr,
-        )
-        cmd.append("--no-repack")
+    if llamacpp_peer.without_repack(cmd, rc):
         text, peak, rc = _run_peak(cmd)
     if rc:
         raise RuntimeError(f"llama-batched-bench failed ({rc}): {cmd}")

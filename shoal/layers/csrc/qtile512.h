@@ -15,10 +15,11 @@
 
 namespace shoal::quant {
 
-// VPDPBUSD on 512 bits: Q4_0 and Q8_0 as qtile.h's VNNI products (Q8_0 read unsigned).
+// VPDPBUSD on 512 bits: the same operands and offsets as qtile.h's VNNI products (Q8_0 read
+// unsigned).
 template <Fmt F>
 struct Dot512 {
-  static constexpr int kOffset = F == Fmt::Q4_0 ? -8 : F == Fmt::Q8_0 ? -128 : 0;
+  static constexpr int kOffset = DotI8<F>::kOffset;
   static __m512i prepare(__m512i w) {
     return F == Fmt::Q8_0 ? _mm512_xor_si512(w, _mm512_set1_epi8(char(0x80))) : w;
   }
